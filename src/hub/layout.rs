@@ -1,0 +1,304 @@
+//! How the hub's state is laid out in its [`KvStore`].
+//!
+//! One keyspace, one leading tag byte per record type, numbers big-endian so
+//! key order is numeric order. Topic ids are length-prefixed so that one
+//! topic's keys never share a prefix with another's. Values are postcard.
+
+use crate::kv::{KvError, KvStore};
+use crate::wire::{DeviceId, PublishId, RetentionClass, TopicId};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+const TOPIC_META: u8 = b'M';
+const LOG_FRAME: u8 = b'L';
+const MAILBOX_FRAME: u8 = b'X';
+const PUBLISH_RECORD: u8 = b'P';
+const SUBSCRIBER: u8 = b'S';
+const DEVICE_SUBSCRIPTION: u8 = b's';
+const DEVICE_META: u8 = b'D';
+const DELIVERY: u8 = b'd';
+const KEY_PACKAGE_META: u8 = b'K';
+const KEY_PACKAGE: u8 = b'k';
+const EXPIRY: u8 = b'E';
+
+/// The kind of record an expiry-index entry points at.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ExpiryKind {
+    LogFrame = 1,
+    MailboxFrame = 2,
+    Delivery = 3,
+    PublishRecord = 4,
+}
+
+impl ExpiryKind {
+    fn from_byte(b: u8) -> Option<Self> {
+        Some(match b {
+            1 => ExpiryKind::LogFrame,
+            2 => ExpiryKind::MailboxFrame,
+            3 => ExpiryKind::Delivery,
+            4 => ExpiryKind::PublishRecord,
+            _ => return None,
+        })
+    }
+}
+
+fn topic_part(out: &mut Vec<u8>, topic: &TopicId) {
+    // Topic length is bounded by the hub's limit (at most u16::MAX by config
+    // validation), so the prefix is exact.
+    out.extend_from_slice(&(topic.0.len() as u16).to_be_bytes());
+    out.extend_from_slice(&topic.0);
+}
+
+fn key(tag: u8) -> Vec<u8> {
+    vec![tag]
+}
+
+pub(crate) fn topic_meta(topic: &TopicId) -> Vec<u8> {
+    let mut k = key(TOPIC_META);
+    topic_part(&mut k, topic);
+    k
+}
+
+pub(crate) fn log_prefix(topic: &TopicId) -> Vec<u8> {
+    let mut k = key(LOG_FRAME);
+    topic_part(&mut k, topic);
+    k
+}
+
+pub(crate) fn log_frame(topic: &TopicId, seq: u64) -> Vec<u8> {
+    let mut k = log_prefix(topic);
+    k.extend_from_slice(&seq.to_be_bytes());
+    k
+}
+
+pub(crate) fn mailbox_frame(topic: &TopicId, seq: u64) -> Vec<u8> {
+    let mut k = key(MAILBOX_FRAME);
+    topic_part(&mut k, topic);
+    k.extend_from_slice(&seq.to_be_bytes());
+    k
+}
+
+pub(crate) fn publish_record(topic: &TopicId, id: &PublishId) -> Vec<u8> {
+    let mut k = key(PUBLISH_RECORD);
+    topic_part(&mut k, topic);
+    k.extend_from_slice(&id.0);
+    k
+}
+
+pub(crate) fn subscriber_prefix(topic: &TopicId) -> Vec<u8> {
+    let mut k = key(SUBSCRIBER);
+    topic_part(&mut k, topic);
+    k
+}
+
+pub(crate) fn subscriber(topic: &TopicId, device: &DeviceId) -> Vec<u8> {
+    let mut k = subscriber_prefix(topic);
+    k.extend_from_slice(&device.0);
+    k
+}
+
+pub(crate) fn device_subscription(device: &DeviceId, topic: &TopicId) -> Vec<u8> {
+    let mut k = key(DEVICE_SUBSCRIPTION);
+    k.extend_from_slice(&device.0);
+    topic_part(&mut k, topic);
+    k
+}
+
+pub(crate) fn device_meta(device: &DeviceId) -> Vec<u8> {
+    let mut k = key(DEVICE_META);
+    k.extend_from_slice(&device.0);
+    k
+}
+
+pub(crate) fn delivery(device: &DeviceId, id: u64) -> Vec<u8> {
+    let mut k = key(DELIVERY);
+    k.extend_from_slice(&device.0);
+    k.extend_from_slice(&id.to_be_bytes());
+    k
+}
+
+pub(crate) fn key_package_meta(device: &DeviceId) -> Vec<u8> {
+    let mut k = key(KEY_PACKAGE_META);
+    k.extend_from_slice(&device.0);
+    k
+}
+
+pub(crate) fn key_package_prefix(device: &DeviceId) -> Vec<u8> {
+    let mut k = key(KEY_PACKAGE);
+    k.extend_from_slice(&device.0);
+    k
+}
+
+pub(crate) fn key_package(device: &DeviceId, n: u64) -> Vec<u8> {
+    let mut k = key_package_prefix(device);
+    k.extend_from_slice(&n.to_be_bytes());
+    k
+}
+
+pub(crate) fn expiry(at_ms: u64, kind: ExpiryKind, target: &[u8]) -> Vec<u8> {
+    let mut k = key(EXPIRY);
+    k.extend_from_slice(&at_ms.to_be_bytes());
+    k.push(kind as u8);
+    k.extend_from_slice(target);
+    k
+}
+
+/// The first key past every expiry entry due at or before `now_ms`.
+pub(crate) fn expiry_end(now_ms: u64) -> Vec<u8> {
+    let mut k = key(EXPIRY);
+    k.extend_from_slice(&now_ms.saturating_add(1).to_be_bytes());
+    k
+}
+
+pub(crate) fn expiry_start() -> Vec<u8> {
+    key(EXPIRY)
+}
+
+/// Split an expiry-index key into its kind and target key.
+pub(crate) fn parse_expiry(k: &[u8]) -> Option<(ExpiryKind, &[u8])> {
+    if k.len() < 10 || k[0] != EXPIRY {
+        return None;
+    }
+    Some((ExpiryKind::from_byte(k[9])?, &k[10..]))
+}
+
+/// Split a delivery key into (device, delivery id).
+pub(crate) fn parse_delivery(k: &[u8]) -> Option<(DeviceId, u64)> {
+    if k.len() != 41 || k[0] != DELIVERY {
+        return None;
+    }
+    let dev: [u8; 32] = k[1..33].try_into().ok()?;
+    let id = u64::from_be_bytes(k[33..41].try_into().ok()?);
+    Some((DeviceId(dev), id))
+}
+
+/// Split a log-frame or mailbox-frame key into (topic, seq).
+pub(crate) fn parse_frame_key(k: &[u8]) -> Option<(TopicId, u64)> {
+    if k.len() < 11 {
+        return None;
+    }
+    let len = u16::from_be_bytes([k[1], k[2]]) as usize;
+    if k.len() != 3 + len + 8 {
+        return None;
+    }
+    let topic = TopicId(k[3..3 + len].to_vec());
+    let seq = u64::from_be_bytes(k[3 + len..].try_into().ok()?);
+    Some((topic, seq))
+}
+
+/// Per-topic state. The head is stored, never derived, so it survives trims.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct TopicMeta {
+    /// The last sequence number assigned (0: none yet).
+    pub last_seq: u64,
+    /// Sequence number of the last log publish.
+    pub head: Option<u64>,
+    /// Lowest log sequence number still held.
+    pub oldest: Option<u64>,
+    /// Every log frame with a sequence number up to this was trimmed.
+    pub removed_through: u64,
+    /// Log frames held.
+    pub log_len: u64,
+}
+
+/// A stored frame (log or mailbox).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct StoredFrame {
+    pub sender: DeviceId,
+    pub publish_id: PublishId,
+    pub published_at_ms: u64,
+    pub expires_at_ms: u64,
+    pub payload: Vec<u8>,
+    /// Mailbox only: recipients that still hold it.
+    pub remaining: u32,
+}
+
+/// The idempotency record of a publish id.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct PublishRecord {
+    pub seq: u64,
+    pub digest: [u8; 32],
+}
+
+/// A durable subscription.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct Subscription {
+    pub retention_secs: u64,
+}
+
+/// Per-device delivery state.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct DeviceMeta {
+    /// The last delivery id assigned (0: none yet).
+    pub last_delivery: u64,
+    pub subscriptions: u32,
+}
+
+/// A delivery waiting in a device's queue: a reference to the frame.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct DeliveryRef {
+    pub topic: TopicId,
+    pub seq: u64,
+    pub class: RetentionClass,
+    pub expires_at_ms: u64,
+}
+
+/// A device's key-package pool.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct KeyPackageMeta {
+    pub next: u64,
+    pub pool: u32,
+    pub last_resort: Option<Vec<u8>>,
+}
+
+pub(crate) fn encode<T: Serialize>(v: &T) -> Vec<u8> {
+    match postcard::to_allocvec(v) {
+        Ok(b) => b,
+        Err(e) => unreachable!("postcard cannot fail on hub records: {e}"),
+    }
+}
+
+pub(crate) fn decode<T: DeserializeOwned>(key: &[u8], bytes: &[u8]) -> Result<T, KvError> {
+    postcard::from_bytes(bytes).map_err(|e| KvError::Corrupt {
+        key: hex::encode(key),
+        reason: e.to_string(),
+    })
+}
+
+/// Read and decode the record under `key`.
+pub(crate) fn read<T: DeserializeOwned>(
+    store: &dyn KvStore,
+    key: &[u8],
+) -> Result<Option<T>, KvError> {
+    match store.get(key)? {
+        Some(bytes) => Ok(Some(decode(key, &bytes)?)),
+        None => Ok(None),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_parse_back() {
+        let t = TopicId::from("topic");
+        let d = DeviceId([7; 32]);
+        assert_eq!(parse_frame_key(&log_frame(&t, 9)), Some((t.clone(), 9)));
+        assert_eq!(parse_frame_key(&mailbox_frame(&t, 3)), Some((t.clone(), 3)));
+        assert_eq!(parse_delivery(&delivery(&d, 5)), Some((d, 5)));
+        let target = log_frame(&t, 9);
+        let e = expiry(1234, ExpiryKind::LogFrame, &target);
+        assert_eq!(parse_expiry(&e), Some((ExpiryKind::LogFrame, target.as_slice())));
+        assert!(e < expiry_end(1234) && e >= expiry_start());
+        assert!(e > expiry_end(1233));
+    }
+
+    #[test]
+    fn topics_never_share_a_prefix() {
+        // "ab" must not be a key prefix of topic "abc"'s frames.
+        let a = log_prefix(&TopicId::from("ab"));
+        let b = log_frame(&TopicId::from("abc"), 1);
+        assert!(!b.starts_with(&a));
+    }
+}

@@ -1,0 +1,267 @@
+//! The hub's limits and its token-bucket rate limiter.
+
+use crate::wire::{DeviceId, HubError, TopicId};
+use std::collections::HashMap;
+use std::hash::Hash;
+use std::sync::Mutex;
+use std::time::Duration;
+use tokio::time::Instant;
+
+/// A token bucket's shape: a sustained rate and a burst.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Rate {
+    /// Tokens added per second.
+    pub per_sec: f64,
+    /// Bucket capacity.
+    pub burst: f64,
+}
+
+/// Every limit a hub enforces; each answers a named [`HubError`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct Limits {
+    /// Largest payload of one publish (`PayloadTooLarge`).
+    pub max_payload: usize,
+    /// Longest topic id (`BadTopic`).
+    pub max_topic: usize,
+    /// Publishes, subscribes and key-package calls per device (`RateLimited`).
+    pub device_rate: Rate,
+    /// Publishes per topic (`RateLimited`).
+    pub topic_rate: Rate,
+    /// Subscriptions per device (`TooManySubscriptions`).
+    pub max_subscriptions: u32,
+    /// Log frames held per topic; a deeper log is trimmed from its oldest end,
+    /// and readers behind the trim see `gap`.
+    pub max_log_depth: u64,
+    /// Retention when a publish or subscribe names none.
+    pub default_retention: Duration,
+    /// Largest retention a publish or subscribe may name (`RetentionTooLong`).
+    pub max_retention: Duration,
+    /// Largest `limit` of one fetch (`BadFetchLimit`).
+    pub max_fetch: u32,
+    /// Most ids in one ack (`TooManyAcks`).
+    pub max_acks: usize,
+    /// Key packages in one device's pool (`KeyPackagePoolFull`).
+    pub max_key_packages: u32,
+    /// Largest key package (`BadKeyPackage`).
+    pub max_key_package_bytes: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_payload: 1 << 20,
+            max_topic: 256,
+            device_rate: Rate {
+                per_sec: 20.0,
+                burst: 50.0,
+            },
+            topic_rate: Rate {
+                per_sec: 100.0,
+                burst: 200.0,
+            },
+            max_subscriptions: 1000,
+            max_log_depth: 100_000,
+            default_retention: Duration::from_secs(7 * 24 * 3600),
+            max_retention: Duration::from_secs(30 * 24 * 3600),
+            max_fetch: 500,
+            max_acks: 1000,
+            max_key_packages: 100,
+            max_key_package_bytes: 16 * 1024,
+        }
+    }
+}
+
+impl Limits {
+    /// Limits with rates high enough never to trigger: for tests and
+    /// benchmarks that measure something else.
+    pub fn unthrottled() -> Self {
+        let fast = Rate {
+            per_sec: 1e9,
+            burst: 1e9,
+        };
+        Self {
+            device_rate: fast,
+            topic_rate: fast,
+            ..Self::default()
+        }
+    }
+
+    /// The largest WebSocket message the hub reads: a full payload plus room
+    /// for the frame's other fields.
+    pub fn max_frame(&self) -> usize {
+        self.max_payload + self.max_topic + 64 * 1024
+    }
+
+    /// Check the limits against each other.
+    ///
+    /// # Errors
+    /// A sentence naming the limit that makes no sense.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.max_topic == 0 || self.max_topic > u16::MAX as usize {
+            return Err(format!("max_topic must be 1..=65535, not {}", self.max_topic));
+        }
+        if self.default_retention > self.max_retention {
+            return Err("default retention exceeds the maximum retention".into());
+        }
+        if self.max_log_depth == 0 || self.max_fetch == 0 || self.max_acks == 0 {
+            return Err("log depth, fetch limit and ack limit must be at least 1".into());
+        }
+        for (name, r) in [("device", self.device_rate), ("topic", self.topic_rate)] {
+            if r.per_sec.is_nan() || r.per_sec <= 0.0 || r.burst.is_nan() || r.burst < 1.0 {
+                return Err(format!("{name} rate needs per_sec > 0 and burst >= 1"));
+            }
+        }
+        Ok(())
+    }
+}
+
+struct Bucket {
+    tokens: f64,
+    at: Instant,
+}
+
+struct Buckets<K> {
+    rate: Rate,
+    map: HashMap<K, Bucket>,
+}
+
+impl<K: Hash + Eq + Clone> Buckets<K> {
+    fn new(rate: Rate) -> Self {
+        Self {
+            rate,
+            map: HashMap::new(),
+        }
+    }
+
+    fn refill(&self, b: &mut Bucket, now: Instant) {
+        let dt = now.saturating_duration_since(b.at).as_secs_f64();
+        b.tokens = (b.tokens + dt * self.rate.per_sec).min(self.rate.burst);
+        b.at = now;
+    }
+
+    /// Milliseconds until a token is available, or 0 when one is now.
+    fn wait_ms(&mut self, k: &K, now: Instant) -> u64 {
+        let burst = self.rate.burst;
+        let mut b = self.map.remove(k).unwrap_or(Bucket { tokens: burst, at: now });
+        self.refill(&mut b, now);
+        let wait = if b.tokens >= 1.0 {
+            0
+        } else {
+            (((1.0 - b.tokens) / self.rate.per_sec) * 1000.0).ceil() as u64
+        };
+        self.map.insert(k.clone(), b);
+        wait
+    }
+
+    fn take(&mut self, k: &K) {
+        if let Some(b) = self.map.get_mut(k) {
+            b.tokens -= 1.0;
+        }
+    }
+
+    /// Forget buckets that are full again: they behave exactly like new ones.
+    fn prune(&mut self, now: Instant) {
+        let rate = self.rate;
+        self.map.retain(|_, b| {
+            let dt = now.saturating_duration_since(b.at).as_secs_f64();
+            b.tokens + dt * rate.per_sec < rate.burst
+        });
+    }
+}
+
+/// Token buckets per device and per topic, on tokio's clock.
+pub(crate) struct RateLimiter {
+    inner: Mutex<(Buckets<DeviceId>, Buckets<TopicId>)>,
+}
+
+impl RateLimiter {
+    pub(crate) fn new(limits: &Limits) -> Self {
+        Self {
+            inner: Mutex::new((
+                Buckets::new(limits.device_rate),
+                Buckets::new(limits.topic_rate),
+            )),
+        }
+    }
+
+    /// Take one token from the device's bucket and, when given, the topic's.
+    /// Takes nothing when either is empty.
+    pub(crate) fn check(&self, device: &DeviceId, topic: Option<&TopicId>) -> Result<(), HubError> {
+        let now = Instant::now();
+        let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let (devices, topics) = &mut *g;
+        let dw = devices.wait_ms(device, now);
+        if dw > 0 {
+            return Err(HubError::RateLimited {
+                scope: "device".into(),
+                retry_after_ms: dw,
+            });
+        }
+        if let Some(t) = topic {
+            let tw = topics.wait_ms(t, now);
+            if tw > 0 {
+                return Err(HubError::RateLimited {
+                    scope: "topic".into(),
+                    retry_after_ms: tw,
+                });
+            }
+            topics.take(t);
+        }
+        devices.take(device);
+        Ok(())
+    }
+
+    pub(crate) fn prune(&self) {
+        let now = Instant::now();
+        let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        g.0.prune(now);
+        g.1.prune(now);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn bucket_allows_burst_then_rate() {
+        let limits = Limits {
+            device_rate: Rate {
+                per_sec: 10.0,
+                burst: 3.0,
+            },
+            ..Limits::default()
+        };
+        let rl = RateLimiter::new(&limits);
+        let d = DeviceId([1; 32]);
+        for _ in 0..3 {
+            rl.check(&d, None).unwrap();
+        }
+        let Err(HubError::RateLimited { retry_after_ms, .. }) = rl.check(&d, None) else {
+            panic!("fourth call within the burst must be limited");
+        };
+        assert_eq!(retry_after_ms, 100);
+        tokio::time::advance(Duration::from_millis(100)).await;
+        rl.check(&d, None).unwrap();
+        // Another device has its own bucket.
+        rl.check(&DeviceId([2; 32]), None).unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn topic_limit_takes_no_device_token_when_refused() {
+        let limits = Limits {
+            topic_rate: Rate {
+                per_sec: 1.0,
+                burst: 1.0,
+            },
+            ..Limits::default()
+        };
+        let rl = RateLimiter::new(&limits);
+        let t = TopicId::from("t");
+        rl.check(&DeviceId([1; 32]), Some(&t)).unwrap();
+        assert!(matches!(
+            rl.check(&DeviceId([2; 32]), Some(&t)),
+            Err(HubError::RateLimited { ref scope, .. }) if scope == "topic"
+        ));
+    }
+}

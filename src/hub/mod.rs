@@ -1,0 +1,286 @@
+//! The hub: a group-blind publish/subscribe store over opaque topics.
+//!
+//! [`HubCore`] holds the protocol logic over a [`KvStore`]; [`Hub`] drives it
+//! over WebSocket connections from any [`Listener`], with a group-commit
+//! flusher and a retention purge running beside it.
+
+mod core;
+mod flush;
+mod layout;
+mod limits;
+mod server;
+
+pub use self::core::{DeliveryBatch, Durable, HubCore, Published, PurgeReport};
+pub use self::limits::{Limits, Rate};
+
+use crate::clock::Clock;
+use crate::kv::KvStore;
+use crate::rng::SharedRng;
+use crate::transport::Listener;
+use crate::wire::DeviceId;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+/// How a hub runs.
+#[derive(Clone, Debug)]
+pub struct HubConfig {
+    /// The URL devices dial and sign (`ws://host:port`), without a trailing
+    /// slash. A device that signed another URL is refused with `WrongHub`.
+    pub url: String,
+    /// Limits, each answering a named error.
+    pub limits: Limits,
+    /// How long a challenge stays valid.
+    pub challenge_ttl: Duration,
+    /// How often retention is enforced.
+    pub purge_interval: Duration,
+    /// Requests one connection may have waiting for durability at once;
+    /// further frames wait (backpressure), they are not refused.
+    pub max_in_flight: usize,
+}
+
+impl HubConfig {
+    /// Defaults for a hub reachable at `url`.
+    pub fn new(url: impl Into<String>) -> Self {
+        Self {
+            url: url.into().trim_end_matches('/').to_string(),
+            limits: Limits::default(),
+            challenge_ttl: Duration::from_secs(30),
+            purge_interval: Duration::from_secs(60),
+            max_in_flight: 256,
+        }
+    }
+}
+
+/// Why a hub could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum HubStartError {
+    /// A limit makes no sense.
+    #[error("invalid hub limits: {0}")]
+    Limits(String),
+    /// The URL is not `ws://` or `wss://`.
+    #[error("hub URL must start with ws:// or wss://, got {0}")]
+    Url(String),
+}
+
+/// A snapshot of the hub's counters, for operators.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HubMetrics {
+    /// Connections accepted since start.
+    pub connections: u64,
+    /// Connections open now.
+    pub open_connections: u64,
+    /// Authentications refused.
+    pub auth_failures: u64,
+    /// Frames refused as malformed, oversized, unknown or text.
+    pub bad_frames: u64,
+    /// Publishes accepted.
+    pub accepted: u64,
+    /// Publishes answered `duplicate`.
+    pub duplicates: u64,
+    /// Publishes that lost the compare-and-set.
+    pub head_mismatches: u64,
+    /// Publishes refused as `conflict`.
+    pub conflicts: u64,
+    /// Replays answered `history_missing`.
+    pub history_missing: u64,
+    /// Deliveries pushed on receive streams.
+    pub deliveries_pushed: u64,
+    /// Store flushes (group commit: far fewer than accepted publishes).
+    pub flushes: u64,
+    /// Log frames trimmed.
+    pub trimmed: u64,
+}
+
+#[derive(Default)]
+struct ServerCounters {
+    connections: AtomicU64,
+    open: AtomicU64,
+    auth_failures: AtomicU64,
+    bad_frames: AtomicU64,
+    pushed: AtomicU64,
+}
+
+/// The receive stream a device has open.
+struct Session {
+    conn: u64,
+    wake: Arc<Notify>,
+    cancel: CancellationToken,
+}
+
+pub(crate) struct HubShared {
+    core: Arc<HubCore>,
+    config: HubConfig,
+    clock: Clock,
+    rng: SharedRng,
+    sessions: Mutex<HashMap<DeviceId, Session>>,
+    used_nonces: Mutex<HashMap<[u8; 32], u64>>,
+    shutdown: CancellationToken,
+    tasks: TaskTracker,
+    next_conn: AtomicU64,
+    counters: ServerCounters,
+}
+
+impl HubShared {
+    /// Wake the receive stream of each device, if it has one.
+    fn wake(&self, devices: &[DeviceId]) {
+        let sessions = self.sessions.lock().unwrap_or_else(|p| p.into_inner());
+        for d in devices {
+            if let Some(s) = sessions.get(d) {
+                s.wake.notify_one();
+            }
+        }
+    }
+}
+
+/// A running hub. Cloning gives another handle to the same hub.
+#[derive(Clone)]
+pub struct Hub {
+    shared: Arc<HubShared>,
+    flusher: Arc<tokio::task::JoinHandle<()>>,
+}
+
+impl Hub {
+    /// Start a hub over `store` (which may hold a previous run's state): the
+    /// flusher and the retention purge start now; connections are served by
+    /// [`Hub::serve`].
+    ///
+    /// Must be called inside a tokio runtime.
+    ///
+    /// # Errors
+    /// [`HubStartError`] when the configuration is invalid.
+    pub fn start(
+        store: Arc<dyn KvStore>,
+        config: HubConfig,
+        clock: Clock,
+        rng: SharedRng,
+    ) -> Result<Hub, HubStartError> {
+        config.limits.validate().map_err(HubStartError::Limits)?;
+        if !(config.url.starts_with("ws://") || config.url.starts_with("wss://")) {
+            return Err(HubStartError::Url(config.url.clone()));
+        }
+        let core = HubCore::new(store.clone(), config.limits.clone(), clock.clone());
+        let flusher = tokio::spawn(core.group_commit().clone().run(store));
+        let shared = Arc::new(HubShared {
+            core,
+            config,
+            clock,
+            rng,
+            sessions: Mutex::new(HashMap::new()),
+            used_nonces: Mutex::new(HashMap::new()),
+            shutdown: CancellationToken::new(),
+            tasks: TaskTracker::new(),
+            next_conn: AtomicU64::new(1),
+            counters: ServerCounters::default(),
+        });
+        let purger = shared.clone();
+        shared.tasks.spawn(async move {
+            let interval = purger.config.purge_interval;
+            loop {
+                tokio::select! {
+                    _ = purger.shutdown.cancelled() => break,
+                    _ = tokio::time::sleep(interval) => {}
+                }
+                match purger.core.purge(None) {
+                    Ok(d) if d.value != PurgeReport::default() => {
+                        tracing::info!(report = ?d.value, "retention purge");
+                    }
+                    Ok(_) => {}
+                    Err(e) => tracing::warn!(error = %e, "retention purge failed"),
+                }
+            }
+        });
+        Ok(Hub {
+            shared,
+            flusher: Arc::new(flusher),
+        })
+    }
+
+    /// Accept connections from `listener` until [`Hub::shutdown`]. Returns at
+    /// once; the accept loop runs as a task of the hub.
+    pub fn serve(&self, mut listener: impl Listener) {
+        let shared = self.shared.clone();
+        self.shared.tasks.spawn(async move {
+            loop {
+                let accepted = tokio::select! {
+                    _ = shared.shutdown.cancelled() => break,
+                    r = listener.accept() => r,
+                };
+                match accepted {
+                    Ok((stream, peer)) => {
+                        let conn = shared.next_conn.fetch_add(1, Ordering::Relaxed);
+                        let s = shared.clone();
+                        shared
+                            .tasks
+                            .spawn(server::connection(s, conn, stream, peer));
+                    }
+                    Err(e) => {
+                        // A failed accept (out of file descriptors, a reset
+                        // during the handshake) must not end the hub.
+                        tracing::warn!(error = %e, "accept failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                }
+            }
+        });
+    }
+
+    /// The protocol core, for tests and tools that drive it directly.
+    pub fn core(&self) -> &Arc<HubCore> {
+        &self.shared.core
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> &HubConfig {
+        &self.shared.config
+    }
+
+    /// Enforce retention now rather than at the next purge interval.
+    ///
+    /// # Errors
+    /// `Internal` when the store failed.
+    pub async fn purge_now(&self) -> Result<PurgeReport, crate::wire::HubError> {
+        let d = self.shared.core.purge(None)?;
+        self.shared.core.durable(d.gen).await?;
+        Ok(d.value)
+    }
+
+    /// The hub's counters.
+    pub fn metrics(&self) -> HubMetrics {
+        let c = &self.shared.core.counters;
+        let s = &self.shared.counters;
+        let r = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        HubMetrics {
+            connections: r(&s.connections),
+            open_connections: r(&s.open),
+            auth_failures: r(&s.auth_failures),
+            bad_frames: r(&s.bad_frames),
+            accepted: r(&c.accepted),
+            duplicates: r(&c.duplicates),
+            head_mismatches: r(&c.head_mismatches),
+            conflicts: r(&c.conflicts),
+            history_missing: r(&c.history_missing),
+            deliveries_pushed: r(&s.pushed),
+            flushes: self.shared.core.group_commit().flush_count(),
+            trimmed: r(&c.trimmed),
+        }
+    }
+
+    /// Stop accepting, close every connection (answers already being made
+    /// durable are still sent), flush the store, and stop the flusher.
+    ///
+    /// # Cancel safety
+    /// Not cancel safe: call it to completion.
+    pub async fn shutdown(&self) {
+        self.shared.shutdown.cancel();
+        self.shared.tasks.close();
+        self.shared.tasks.wait().await;
+        let gc = self.shared.core.group_commit();
+        gc.flush_now(self.shared.core.store()).await;
+        self.flusher.abort();
+    }
+}

@@ -1,0 +1,152 @@
+//! The `hubsync` binary: run a hub, or the end-to-end demo.
+
+use clap::{Parser, Subcommand};
+use hubsync::clock::Clock;
+use hubsync::hub::{Hub, HubConfig, Limits, Rate};
+use hubsync::kv::{KvStore, SledKv};
+use hubsync::rng::SharedRng;
+use hubsync::transport::TcpAcceptor;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+#[derive(Parser)]
+#[command(name = "hubsync", version, about = "End-to-end encrypted group sync over MLS")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Serve a hub: a group-blind relay storing opaque frames.
+    Hub(HubArgs),
+}
+
+#[derive(clap::Args)]
+struct HubArgs {
+    /// Address to listen on, e.g. 127.0.0.1:7400 (port 0 picks a free one).
+    #[arg(long, default_value = "127.0.0.1:7400")]
+    listen: String,
+    /// Directory of the hub's store (created if missing).
+    #[arg(long, default_value = "./hub-data")]
+    data: PathBuf,
+    /// The URL devices dial and sign; defaults to ws://<listen address>.
+    #[arg(long)]
+    public_url: Option<String>,
+    /// Largest payload in bytes.
+    #[arg(long, default_value_t = 1 << 20)]
+    max_payload: usize,
+    /// Sustained publishes per second per device.
+    #[arg(long, default_value_t = 20.0)]
+    device_rate: f64,
+    /// Burst of publishes per device.
+    #[arg(long, default_value_t = 50.0)]
+    device_burst: f64,
+    /// Sustained publishes per second per topic.
+    #[arg(long, default_value_t = 100.0)]
+    topic_rate: f64,
+    /// Burst of publishes per topic.
+    #[arg(long, default_value_t = 200.0)]
+    topic_burst: f64,
+    /// Log frames kept per topic before the oldest are trimmed.
+    #[arg(long, default_value_t = 100_000)]
+    max_log_depth: u64,
+    /// Subscriptions per device.
+    #[arg(long, default_value_t = 1000)]
+    max_subscriptions: u32,
+    /// Seconds between retention purges.
+    #[arg(long, default_value_t = 60)]
+    purge_interval: u64,
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let rt = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = match cli.command {
+        Command::Hub(args) => rt.block_on(run_hub(args)),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run_hub(args: HubArgs) -> Result<(), String> {
+    let listener = TcpAcceptor::bind(&args.listen)
+        .await
+        .map_err(|e| format!("cannot listen on {}: {e}", args.listen))?;
+    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    std::fs::create_dir_all(&args.data)
+        .map_err(|e| format!("cannot create {}: {e}", args.data.display()))?;
+    let store: Arc<dyn KvStore> = Arc::new(
+        SledKv::open(&args.data).map_err(|e| format!("cannot open {}: {e}", args.data.display()))?,
+    );
+    let url = args.public_url.unwrap_or_else(|| format!("ws://{addr}"));
+    let mut config = HubConfig::new(url.clone());
+    config.purge_interval = Duration::from_secs(args.purge_interval.max(1));
+    config.limits = Limits {
+        max_payload: args.max_payload,
+        device_rate: Rate {
+            per_sec: args.device_rate,
+            burst: args.device_burst,
+        },
+        topic_rate: Rate {
+            per_sec: args.topic_rate,
+            burst: args.topic_burst,
+        },
+        max_log_depth: args.max_log_depth,
+        max_subscriptions: args.max_subscriptions,
+        ..Limits::default()
+    };
+    let hub = Hub::start(store, config, Clock::System, SharedRng::from_entropy()).map_err(|e| e.to_string())?;
+    hub.serve(listener);
+    // Tests and scripts read this line to learn the port.
+    println!("hubsync hub listening on {addr} as {url}");
+    tracing::info!(%addr, %url, data = %args.data.display(), "hub started");
+    wait_for_signal().await;
+    tracing::info!("shutting down: no new connections, flushing");
+    hub.shutdown().await;
+    let m = hub.metrics();
+    tracing::info!(?m, "hub stopped");
+    Ok(())
+}
+
+async fn wait_for_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut term = match signal(SignalKind::terminate()) {
+            Ok(s) => s,
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+                return;
+            }
+        };
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}

@@ -1,0 +1,816 @@
+//! The wire protocol between devices and hubs.
+//!
+//! Every WebSocket binary message is one frame: a kind byte followed by a
+//! postcard-encoded body. Decoding is strict: the size is checked before
+//! anything is parsed, an unknown kind or operation is named as such, and a
+//! body with trailing bytes is refused. Nothing here panics on input.
+//! `docs/protocol.md` is the reference for other implementations.
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// The newest protocol version this build speaks.
+pub const PROTOCOL_VERSION: u16 = 1;
+/// The oldest protocol version this build still accepts.
+pub const MIN_PROTOCOL_VERSION: u16 = 1;
+/// Domain separator of the signed authentication message.
+pub const AUTH_DOMAIN: &[u8] = b"hubsync-auth-v1\0";
+
+/// A device id: the device's ed25519 public key.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct DeviceId(pub [u8; 32]);
+
+impl DeviceId {
+    /// The 32 key bytes.
+    pub fn as_bytes(&self) -> &[u8; 32] {
+        &self.0
+    }
+
+    /// Parse 64 hex characters.
+    ///
+    /// # Errors
+    /// `None` when the text is not exactly 32 bytes of hex.
+    pub fn from_hex(s: &str) -> Option<Self> {
+        let bytes = hex::decode(s).ok()?;
+        Some(DeviceId(bytes.try_into().ok()?))
+    }
+}
+
+impl fmt::Display for DeviceId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&hex::encode(self.0))
+    }
+}
+
+impl fmt::Debug for DeviceId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "DeviceId({})", &hex::encode(self.0)[..12])
+    }
+}
+
+/// An opaque topic id (1 to the hub's topic limit, 256 bytes by default).
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct TopicId(pub Vec<u8>);
+
+impl TopicId {
+    /// The raw bytes.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl From<&[u8]> for TopicId {
+    fn from(b: &[u8]) -> Self {
+        TopicId(b.to_vec())
+    }
+}
+
+impl From<&str> for TopicId {
+    fn from(s: &str) -> Self {
+        TopicId(s.as_bytes().to_vec())
+    }
+}
+
+impl fmt::Debug for TopicId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let h = hex::encode(&self.0);
+        write!(f, "TopicId({})", &h[..h.len().min(16)])
+    }
+}
+
+/// A sender-chosen publish id, stable across retries of one publish
+/// (typically a SHA-256 of the operation id and the topic).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct PublishId(pub [u8; 32]);
+
+impl fmt::Debug for PublishId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "PublishId({})", &hex::encode(self.0)[..12])
+    }
+}
+
+/// How the hub keeps a published frame.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum RetentionClass {
+    /// Pushed to each current subscriber but the sender, kept until each acked
+    /// it or retention ran out. Not readable with `fetch`, moves no head.
+    Mailbox,
+    /// Appended to the topic's ordered log, readable with `fetch`; moves the
+    /// topic's head and is also pushed to subscribers.
+    Log,
+}
+
+/// The compare-and-set condition of a log publish.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ExpectedHead {
+    /// Append whatever the head is.
+    Unconditional,
+    /// Append only if the topic never had a log publish.
+    Empty,
+    /// Append only if the head is this sequence number.
+    Seq(u64),
+}
+
+/// A publish request.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Publish {
+    /// Where to publish.
+    pub topic: TopicId,
+    /// Idempotency key, stable across retries.
+    pub publish_id: PublishId,
+    /// Mailbox or log.
+    pub class: RetentionClass,
+    /// Compare-and-set on the head (log only; must be `Unconditional` for a
+    /// mailbox publish).
+    pub expected_head: ExpectedHead,
+    /// Only re-deliver an earlier publish with this id: a hub that never saw
+    /// the id answers `HistoryMissing` and stores nothing.
+    pub replay_only: bool,
+    /// How long to keep the frame; `None` takes the hub's default.
+    pub retention_secs: Option<u64>,
+    /// The opaque payload.
+    pub payload: Vec<u8>,
+}
+
+/// What a publish did. A lost race is an outcome, not an error.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PublishOutcome {
+    /// Stored durably under `seq`; `head` is the topic's head afterwards.
+    Accepted {
+        /// The frame's sequence number in its topic.
+        seq: u64,
+        /// The topic's head after this publish.
+        head: Option<u64>,
+    },
+    /// The same id with the same content was accepted before, under `seq`;
+    /// nothing was stored or delivered again.
+    Duplicate {
+        /// The original sequence number.
+        seq: u64,
+    },
+    /// The compare-and-set failed; nothing was stored.
+    HeadMismatch {
+        /// The topic's current head.
+        current: Option<u64>,
+    },
+    /// A `replay_only` publish whose id this hub never saw; nothing was stored.
+    HistoryMissing,
+}
+
+/// One frame of a topic's log as `fetch` returns it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LogFrame {
+    /// Sequence number in the topic.
+    pub seq: u64,
+    /// Who published it (authenticated by the hub).
+    pub sender: DeviceId,
+    /// The publisher's idempotency key.
+    pub publish_id: PublishId,
+    /// The hub's wall clock at acceptance, in ms since the Unix epoch.
+    pub published_at_ms: u64,
+    /// The opaque payload.
+    pub payload: Vec<u8>,
+}
+
+/// The answer to `fetch`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FetchResult {
+    /// Log frames after the cursor, in order, at most the limit.
+    pub messages: Vec<LogFrame>,
+    /// The topic's head (sequence number of its last log publish), if any.
+    pub head: Option<u64>,
+    /// The oldest sequence number still held, if any.
+    pub oldest: Option<u64>,
+    /// True when frames after the cursor were trimmed away: the reader missed
+    /// something it can no longer fetch.
+    pub gap: bool,
+}
+
+/// A frame pushed on the receive stream.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Delivery {
+    /// The delivery id: increasing per device, the cursor for resuming, and
+    /// what `ack` names.
+    pub id: u64,
+    /// The topic it was published on.
+    pub topic: TopicId,
+    /// Its sequence number in that topic.
+    pub seq: u64,
+    /// Mailbox or log.
+    pub class: RetentionClass,
+    /// Who published it.
+    pub sender: DeviceId,
+    /// The publisher's idempotency key.
+    pub publish_id: PublishId,
+    /// The hub's wall clock at acceptance, in ms since the Unix epoch.
+    pub published_at_ms: u64,
+    /// The opaque payload.
+    pub payload: Vec<u8>,
+}
+
+/// A request from an authenticated device.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Request {
+    /// Publish a frame.
+    Publish(Publish),
+    /// Read a topic's log after `after` (0 reads from the start).
+    Fetch {
+        /// The topic.
+        topic: TopicId,
+        /// Return frames with a sequence number above this.
+        after: u64,
+        /// At most this many frames (1 to 500).
+        limit: u32,
+    },
+    /// Subscribe to a topic (durable, survives reconnects and hub restarts).
+    Subscribe {
+        /// The topic.
+        topic: TopicId,
+        /// How long frames wait for this subscriber; `None` takes the default.
+        retention_secs: Option<u64>,
+    },
+    /// Drop a subscription.
+    Unsubscribe {
+        /// The topic.
+        topic: TopicId,
+    },
+    /// Start (or replace) this device's receive stream, pushing every held
+    /// delivery with an id above `after`.
+    Receive {
+        /// The resume cursor (0 for everything held).
+        after: u64,
+    },
+    /// Acknowledge deliveries so the hub can forget them (at most 1000 ids).
+    Ack {
+        /// Delivery ids.
+        ids: Vec<u64>,
+    },
+    /// Add key packages to this device's pool, and optionally set its
+    /// reusable last-resort package.
+    UploadKeyPackages {
+        /// Packages for the pool, each claimed once.
+        packages: Vec<Vec<u8>>,
+        /// The package handed out when the pool is empty.
+        last_resort: Option<Vec<u8>>,
+    },
+    /// Claim one key package of another device.
+    ClaimKeyPackage {
+        /// Whose package.
+        device: DeviceId,
+    },
+    /// How many key packages this device has on the hub.
+    KeyPackageStatus,
+    /// Liveness check.
+    Ping,
+}
+
+/// The successful answer to a [`Request`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Response {
+    /// Answer to `Publish`.
+    Published(PublishOutcome),
+    /// Answer to `Fetch`.
+    Fetched(FetchResult),
+    /// Answer to `Subscribe`.
+    Subscribed,
+    /// Answer to `Unsubscribe`; `existed` says whether there was one.
+    Unsubscribed {
+        /// Whether a subscription was removed.
+        existed: bool,
+    },
+    /// Answer to `Receive`: deliveries follow as `Deliver` frames.
+    ReceiveStarted,
+    /// Answer to `Ack`: how many held deliveries were removed.
+    Acked {
+        /// Count removed (unknown ids are ignored).
+        removed: u32,
+    },
+    /// Answer to `UploadKeyPackages`: the pool size afterwards.
+    KeyPackagesStored {
+        /// Packages in the pool.
+        pool: u32,
+    },
+    /// Answer to `ClaimKeyPackage`.
+    KeyPackage {
+        /// The package bytes.
+        package: Vec<u8>,
+        /// True when the pool was empty and this is the reusable last resort.
+        last_resort: bool,
+    },
+    /// Answer to `KeyPackageStatus`.
+    KeyPackageStatus {
+        /// Packages in the pool.
+        pool: u32,
+        /// Whether a last-resort package is set.
+        last_resort: bool,
+    },
+    /// Answer to `Ping`.
+    Pong {
+        /// The hub's wall clock, ms since the Unix epoch.
+        server_time_ms: u64,
+    },
+}
+
+/// Every error a hub answers. Each names what went wrong; none changes state.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+pub enum HubError {
+    /// The frame could not be decoded.
+    #[error("malformed frame: {reason}")]
+    Malformed {
+        /// What the decoder said.
+        reason: String,
+    },
+    /// The frame exceeds the hub's maximum frame size.
+    #[error("frame of {len} bytes exceeds the maximum of {max}")]
+    FrameTooLarge {
+        /// Frame size.
+        len: u64,
+        /// The limit.
+        max: u64,
+    },
+    /// The first byte names no frame kind this hub knows.
+    #[error("unknown frame kind {kind}")]
+    UnknownFrameKind {
+        /// The kind byte.
+        kind: u8,
+    },
+    /// The request names no operation this hub knows.
+    #[error("unknown operation {op}")]
+    UnknownOperation {
+        /// The operation index.
+        op: u32,
+    },
+    /// A WebSocket text frame: the protocol is binary only.
+    #[error("text frames are not part of the protocol")]
+    TextFrame,
+    /// A request before authentication.
+    #[error("authenticate first")]
+    NotAuthenticated,
+    /// A second authentication on one connection.
+    #[error("this connection is already authenticated")]
+    AlreadyAuthenticated,
+    /// The requested protocol version is outside what the hub speaks.
+    #[error("protocol version {requested} unsupported; this hub speaks {min}..={max}")]
+    UnsupportedVersion {
+        /// What the device asked for.
+        requested: u16,
+        /// Oldest supported.
+        min: u16,
+        /// Newest supported.
+        max: u16,
+    },
+    /// The signature does not verify under the claimed device key.
+    #[error("signature does not verify")]
+    BadSignature,
+    /// The challenge nonce was not issued on this connection.
+    #[error("this challenge was not issued on this connection")]
+    UnknownChallenge,
+    /// The challenge was already used.
+    #[error("challenge already used")]
+    ChallengeReplayed,
+    /// The challenge expired before the answer arrived.
+    #[error("challenge expired")]
+    ChallengeExpired,
+    /// The device signed for another hub URL.
+    #[error("signed for hub {got}, this is {expected}")]
+    WrongHub {
+        /// This hub's URL.
+        expected: String,
+        /// The URL that was signed.
+        got: String,
+    },
+    /// The payload exceeds the limit.
+    #[error("payload of {len} bytes exceeds the maximum of {max}")]
+    PayloadTooLarge {
+        /// Payload size.
+        len: u64,
+        /// The limit.
+        max: u64,
+    },
+    /// The topic id is empty or too long.
+    #[error("topic id of {len} bytes is outside 1..={max}")]
+    BadTopic {
+        /// Topic length.
+        len: u64,
+        /// The limit.
+        max: u64,
+    },
+    /// A head condition on a mailbox publish, which has no head.
+    #[error("a mailbox publish cannot carry a head condition")]
+    HeadConditionOnMailbox,
+    /// Too many requests from this device or to this topic.
+    #[error("rate limited ({scope}); retry in {retry_after_ms} ms")]
+    RateLimited {
+        /// `device` or `topic`.
+        scope: String,
+        /// When a token is available again.
+        retry_after_ms: u64,
+    },
+    /// The device holds the maximum number of subscriptions.
+    #[error("subscription limit of {max} reached")]
+    TooManySubscriptions {
+        /// The limit.
+        max: u32,
+    },
+    /// The retention asked for exceeds the hub's maximum (never clamped).
+    #[error("retention of {requested_secs} s exceeds the maximum of {max_secs} s")]
+    RetentionTooLong {
+        /// Requested seconds.
+        requested_secs: u64,
+        /// The limit.
+        max_secs: u64,
+    },
+    /// A fetch limit outside 1..=max.
+    #[error("fetch limit {requested} is outside 1..={max}")]
+    BadFetchLimit {
+        /// Requested.
+        requested: u32,
+        /// The limit.
+        max: u32,
+    },
+    /// An ack naming too many ids.
+    #[error("{count} ids in one ack exceeds the maximum of {max}")]
+    TooManyAcks {
+        /// Ids in the frame.
+        count: u64,
+        /// The limit.
+        max: u64,
+    },
+    /// A key package is empty or too large.
+    #[error("key package of {len} bytes is outside 1..={max}")]
+    BadKeyPackage {
+        /// Size.
+        len: u64,
+        /// The limit.
+        max: u64,
+    },
+    /// The upload would overfill this device's pool.
+    #[error("key package pool holds {pool}, adding {adding} exceeds {max}")]
+    KeyPackagePoolFull {
+        /// Current pool size.
+        pool: u32,
+        /// Packages in the upload.
+        adding: u32,
+        /// The limit.
+        max: u32,
+    },
+    /// The device has no key package left and no last resort.
+    #[error("no key package available for that device")]
+    NoKeyPackage,
+    /// The same publish id was used before with different content.
+    #[error("publish id already used with different content (seq {seq})")]
+    Conflict {
+        /// The original sequence number.
+        seq: u64,
+    },
+    /// A newer receive stream for this device replaced this one.
+    #[error("a newer receive stream replaced this one")]
+    ReceiveReplaced,
+    /// The hub is shutting down.
+    #[error("hub is shutting down")]
+    ShuttingDown,
+    /// The hub's store failed; nothing was changed.
+    #[error("hub internal error: {reason}")]
+    Internal {
+        /// What failed.
+        reason: String,
+    },
+}
+
+/// The hub's opening frame: a fresh challenge to sign.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Challenge {
+    /// Oldest protocol version the hub speaks.
+    pub min_version: u16,
+    /// Newest protocol version the hub speaks.
+    pub max_version: u16,
+    /// Fresh random nonce, single use.
+    pub nonce: [u8; 32],
+    /// The hub's own URL, which the device must sign.
+    pub hub_url: String,
+    /// The challenge expires at this wall-clock time (ms since the Unix epoch).
+    pub expires_at_ms: u64,
+}
+
+/// A device's answer to the challenge.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Auth {
+    /// The protocol version the device will speak.
+    pub version: u16,
+    /// The device's public key.
+    pub device: DeviceId,
+    /// The nonce from the challenge.
+    pub nonce: [u8; 32],
+    /// The hub URL the device meant to reach.
+    pub hub_url: String,
+    /// The expiry from the challenge.
+    pub expires_at_ms: u64,
+    /// ed25519 signature over [`auth_message`] (64 bytes).
+    pub signature: Vec<u8>,
+}
+
+/// The hub's acceptance of an [`Auth`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AuthOk {
+    /// The authenticated device.
+    pub device: DeviceId,
+    /// The agreed protocol version.
+    pub version: u16,
+    /// The hub's wall clock.
+    pub server_time_ms: u64,
+    /// The hub's payload limit, so clients can refuse early.
+    pub max_payload: u64,
+}
+
+/// The bytes a device signs to authenticate.
+pub fn auth_message(nonce: &[u8; 32], hub_url: &str, expires_at_ms: u64) -> Vec<u8> {
+    let mut m = Vec::with_capacity(AUTH_DOMAIN.len() + 32 + 4 + hub_url.len() + 8);
+    m.extend_from_slice(AUTH_DOMAIN);
+    m.extend_from_slice(nonce);
+    m.extend_from_slice(&(hub_url.len() as u32).to_be_bytes());
+    m.extend_from_slice(hub_url.as_bytes());
+    m.extend_from_slice(&expires_at_ms.to_be_bytes());
+    m
+}
+
+/// A frame from a device to a hub.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ClientFrame {
+    /// Kind 1: the answer to the challenge.
+    Auth(Auth),
+    /// Kind 2: a request; the hub answers with a `Response` of the same id.
+    Request {
+        /// Correlation id chosen by the device.
+        id: u64,
+        /// The operation.
+        op: Request,
+    },
+}
+
+/// A frame from a hub to a device.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ServerFrame {
+    /// Kind 1: sent once, first, on every connection.
+    Challenge(Challenge),
+    /// Kind 2: authentication succeeded.
+    AuthOk(AuthOk),
+    /// Kind 3: the answer to the request with this id.
+    Response {
+        /// The request's correlation id.
+        id: u64,
+        /// The answer.
+        result: Result<Response, HubError>,
+    },
+    /// Kind 4: a pushed delivery on the receive stream.
+    Deliver(Delivery),
+    /// Kind 5: an error tied to no request (a frame that could not be decoded,
+    /// or a refused authentication).
+    Error(HubError),
+    /// Kind 6: the receive stream ended (for example it was replaced).
+    ReceiveEnded(HubError),
+}
+
+/// Why a frame could not be decoded.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum DecodeError {
+    /// Zero bytes.
+    #[error("empty frame")]
+    Empty,
+    /// Over the size limit; nothing was parsed.
+    #[error("frame of {len} bytes exceeds the maximum of {max}")]
+    TooLarge {
+        /// Frame size.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// The kind byte is unknown.
+    #[error("unknown frame kind {0}")]
+    UnknownKind(u8),
+    /// The request's operation index is unknown.
+    #[error("unknown operation {op} in request {id}")]
+    UnknownOperation {
+        /// The request id.
+        id: u64,
+        /// The operation index.
+        op: u32,
+    },
+    /// The body does not decode as the kind says.
+    #[error("malformed frame of kind {kind}: {reason}")]
+    Malformed {
+        /// The kind byte.
+        kind: u8,
+        /// What the decoder said.
+        reason: String,
+    },
+}
+
+impl From<DecodeError> for HubError {
+    fn from(e: DecodeError) -> Self {
+        match e {
+            DecodeError::TooLarge { len, max } => HubError::FrameTooLarge {
+                len: len as u64,
+                max: max as u64,
+            },
+            DecodeError::UnknownKind(kind) => HubError::UnknownFrameKind { kind },
+            DecodeError::UnknownOperation { op, .. } => HubError::UnknownOperation { op },
+            other => HubError::Malformed {
+                reason: other.to_string(),
+            },
+        }
+    }
+}
+
+/// The number of [`Request`] variants; an operation index at or above this is
+/// unknown.
+const REQUEST_OPS: u32 = 10;
+
+fn encode_body<T: Serialize>(kind: u8, body: &T) -> Vec<u8> {
+    let out = vec![kind];
+    // Serializing our own plain data types into a Vec cannot fail: postcard
+    // only errors on unsupported serde features, which these types do not use.
+    match postcard::to_extend(body, out) {
+        Ok(v) => v,
+        Err(e) => unreachable!("postcard cannot fail on wire types: {e}"),
+    }
+}
+
+fn decode_body<T: DeserializeOwned>(kind: u8, body: &[u8]) -> Result<T, DecodeError> {
+    let (value, rest) = postcard::take_from_bytes::<T>(body).map_err(|e| DecodeError::Malformed {
+        kind,
+        reason: e.to_string(),
+    })?;
+    if !rest.is_empty() {
+        return Err(DecodeError::Malformed {
+            kind,
+            reason: format!("{} trailing bytes", rest.len()),
+        });
+    }
+    Ok(value)
+}
+
+fn split_kind(bytes: &[u8], max: usize) -> Result<(u8, &[u8]), DecodeError> {
+    if bytes.len() > max {
+        return Err(DecodeError::TooLarge {
+            len: bytes.len(),
+            max,
+        });
+    }
+    match bytes.split_first() {
+        Some((kind, body)) => Ok((*kind, body)),
+        None => Err(DecodeError::Empty),
+    }
+}
+
+impl ClientFrame {
+    /// Encode to the bytes of one WebSocket binary message.
+    pub fn encode(&self) -> Vec<u8> {
+        match self {
+            ClientFrame::Auth(a) => encode_body(1, a),
+            ClientFrame::Request { id, op } => encode_body(2, &(id, op)),
+        }
+    }
+
+    /// Decode one binary message of at most `max` bytes.
+    ///
+    /// # Errors
+    /// A [`DecodeError`] naming what is wrong; never panics.
+    pub fn decode(bytes: &[u8], max: usize) -> Result<Self, DecodeError> {
+        let (kind, body) = split_kind(bytes, max)?;
+        match kind {
+            1 => Ok(ClientFrame::Auth(decode_body(kind, body)?)),
+            2 => {
+                // Peek at the id and operation index first, so an operation
+                // from a newer protocol is named as such, with its request id.
+                if let Ok(((id, op), _)) = postcard::take_from_bytes::<(u64, u32)>(body) {
+                    if op >= REQUEST_OPS {
+                        return Err(DecodeError::UnknownOperation { id, op });
+                    }
+                }
+                let (id, op) = decode_body::<(u64, Request)>(kind, body)?;
+                Ok(ClientFrame::Request { id, op })
+            }
+            k => Err(DecodeError::UnknownKind(k)),
+        }
+    }
+}
+
+impl ServerFrame {
+    /// Encode to the bytes of one WebSocket binary message.
+    pub fn encode(&self) -> Vec<u8> {
+        match self {
+            ServerFrame::Challenge(c) => encode_body(1, c),
+            ServerFrame::AuthOk(a) => encode_body(2, a),
+            ServerFrame::Response { id, result } => encode_body(3, &(id, result)),
+            ServerFrame::Deliver(d) => encode_body(4, d),
+            ServerFrame::Error(e) => encode_body(5, e),
+            ServerFrame::ReceiveEnded(e) => encode_body(6, e),
+        }
+    }
+
+    /// Decode one binary message of at most `max` bytes.
+    ///
+    /// # Errors
+    /// A [`DecodeError`] naming what is wrong; never panics.
+    pub fn decode(bytes: &[u8], max: usize) -> Result<Self, DecodeError> {
+        let (kind, body) = split_kind(bytes, max)?;
+        Ok(match kind {
+            1 => ServerFrame::Challenge(decode_body(kind, body)?),
+            2 => ServerFrame::AuthOk(decode_body(kind, body)?),
+            3 => {
+                let (id, result) = decode_body(kind, body)?;
+                ServerFrame::Response { id, result }
+            }
+            4 => ServerFrame::Deliver(decode_body(kind, body)?),
+            5 => ServerFrame::Error(decode_body(kind, body)?),
+            6 => ServerFrame::ReceiveEnded(decode_body(kind, body)?),
+            k => return Err(DecodeError::UnknownKind(k)),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn sample_publish() -> ClientFrame {
+        ClientFrame::Request {
+            id: 7,
+            op: Request::Publish(Publish {
+                topic: TopicId::from("t"),
+                publish_id: PublishId([3; 32]),
+                class: RetentionClass::Log,
+                expected_head: ExpectedHead::Seq(4),
+                replay_only: false,
+                retention_secs: Some(60),
+                payload: vec![1, 2, 3],
+            }),
+        }
+    }
+
+    #[test]
+    fn frames_round_trip() {
+        let f = sample_publish();
+        assert_eq!(ClientFrame::decode(&f.encode(), 1 << 20).unwrap(), f);
+        let s = ServerFrame::Response {
+            id: 9,
+            result: Err(HubError::Conflict { seq: 2 }),
+        };
+        assert_eq!(ServerFrame::decode(&s.encode(), 1 << 20).unwrap(), s);
+    }
+
+    #[test]
+    fn size_is_checked_before_decoding() {
+        let bytes = sample_publish().encode();
+        assert_eq!(
+            ClientFrame::decode(&bytes, 4),
+            Err(DecodeError::TooLarge {
+                len: bytes.len(),
+                max: 4
+            })
+        );
+    }
+
+    #[test]
+    fn unknown_kinds_operations_and_trailing_bytes_are_named() {
+        assert_eq!(ClientFrame::decode(&[], 10), Err(DecodeError::Empty));
+        assert_eq!(ClientFrame::decode(&[9, 0], 10), Err(DecodeError::UnknownKind(9)));
+        // kind 2, id 5, op 77
+        assert_eq!(
+            ClientFrame::decode(&[2, 5, 77], 10),
+            Err(DecodeError::UnknownOperation { id: 5, op: 77 })
+        );
+        let mut bytes = sample_publish().encode();
+        bytes.push(0);
+        assert!(matches!(
+            ClientFrame::decode(&bytes, 1 << 20),
+            Err(DecodeError::Malformed { kind: 2, .. })
+        ));
+        let bytes = sample_publish().encode();
+        assert!(matches!(
+            ClientFrame::decode(&bytes[..bytes.len() - 2], 1 << 20),
+            Err(DecodeError::Malformed { kind: 2, .. })
+        ));
+    }
+
+    #[test]
+    fn request_op_count_matches_the_enum() {
+        // The last variant must have index REQUEST_OPS - 1.
+        let bytes = ClientFrame::Request {
+            id: 0,
+            op: Request::Ping,
+        }
+        .encode();
+        assert_eq!(bytes, vec![2, 0, (REQUEST_OPS - 1) as u8]);
+    }
+
+    proptest! {
+        #[test]
+        fn random_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..300)) {
+            let _ = ClientFrame::decode(&bytes, 1 << 20);
+            let _ = ServerFrame::decode(&bytes, 1 << 20);
+        }
+    }
+}
