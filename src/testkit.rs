@@ -30,6 +30,22 @@ pub fn signing_key(n: u64) -> SigningKey {
     SigningKey::from_bytes(&seed)
 }
 
+/// Open sled in `dir`, waiting briefly for a previous user in this process
+/// to let go of its lock (sled releases it from a background thread).
+async fn open_sled(dir: &Path) -> io::Result<SledKv> {
+    let mut tries = 0;
+    loop {
+        match SledKv::open(dir) {
+            Ok(kv) => return Ok(kv),
+            Err(e) if tries < 50 && e.to_string().contains("lock") => {
+                tries += 1;
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
+            Err(e) => return Err(io::Error::other(e)),
+        }
+    }
+}
+
 /// A real hub on a loopback port with its sled store in a directory.
 pub struct TestHub {
     hub: Hub,
@@ -78,7 +94,7 @@ impl TestHub {
         let mut config = HubConfig::new(url.clone());
         configure(&mut config);
         config.url = url.clone();
-        let store: Arc<dyn KvStore> = Arc::new(SledKv::open(dir).map_err(io::Error::other)?);
+        let store: Arc<dyn KvStore> = Arc::new(open_sled(dir).await?);
         let hub = Hub::start(store, config, Clock::System, SharedRng::from_entropy())
             .map_err(io::Error::other)?;
         hub.serve(listener);

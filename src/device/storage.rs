@@ -24,6 +24,16 @@
 //! Lists (own leaf nodes, the proposal queue) are one JSON array per key,
 //! read-modify-written through the overlay so that a staged append is seen by
 //! the next read of the same operation. An emptied list is deleted.
+//!
+//! # Deletes are real
+//!
+//! A delete removes the key from the store once the batch is applied, never
+//! a tombstone value. Beyond what OpenMLS asks for:
+//! - `clear_proposal_queue` deletes every queued proposal of the group and the
+//!   queue itself (OpenMLS's memory store deletes neither);
+//! - `delete_own_leaf_nodes` also deletes the update key pairs of the deleted
+//!   leaves, which OpenMLS 0.9 otherwise never deletes;
+//! - [`StagedStorage::purge_group`] sweeps whatever a deleted group left.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -236,14 +246,15 @@ impl StagedStorage {
 
     /// Stage the deletion of everything the group `group_id` left behind.
     ///
-    /// `MlsGroup::delete` removes the current epoch's state but leaves, for
-    /// example, the key pairs of earlier epochs and the private keys of
-    /// pending update leaf nodes: secrets that forward secrecy wants gone.
+    /// `MlsGroup::delete` removes the current epoch's state but can leave
+    /// secrets that forward secrecy wants gone: key pairs of other epochs or
+    /// leaf indices (a merge interrupted by a crash, an epoch the group
+    /// skipped) and anything a future OpenMLS version adds under the group.
     /// This deletes every group-scoped key of the group (all epochs, all leaf
-    /// indices) and the encryption key pairs of the group's own leaf nodes,
-    /// whether they are stored or only staged. Call it after (or instead of
-    /// the storage part of) `MlsGroup::delete`, in the same operation; the
-    /// group's in-memory handle must not be used afterwards.
+    /// indices), plus the update key pairs of its own pending leaf nodes,
+    /// whether stored or only staged. Call it in the same operation as
+    /// `MlsGroup::delete` (before or after); the group's in-memory handle must
+    /// not be used afterwards.
     ///
     /// Signature keys are not touched: the device identity keeps its key
     /// outside MLS storage and shares it across groups.
@@ -251,37 +262,56 @@ impl StagedStorage {
     /// Returns how many existing keys were staged for deletion.
     ///
     /// # Errors
-    /// [`StorageError`] when the store fails or a leaf node is unreadable.
+    /// [`StorageError`] when the store fails.
     pub fn purge_group<G: traits::GroupId<CURRENT_VERSION>>(
         &self,
         group_id: &G,
     ) -> Result<usize, StorageError> {
         let gid = group_key(group_id)?;
-        let leaves_key = storage_key(OWN_LEAF_NODES, &gid);
-        // `MlsGroup::delete` may already have staged the deletion of the leaf
-        // list, so look at the stored copy too.
-        let mut leaves: Vec<LeafNode> = self.read_list_at(&leaves_key)?;
-        leaves.extend(decode_list::<LeafNode>(&leaves_key, self.kv.get(&leaves_key)?)?);
-        let mut doomed = BTreeSet::new();
+        let mut doomed = self.delete_leaves_and_their_keys(&gid)?;
+        for label in GROUP_SCOPED {
+            let mut prefix = label_prefix(label);
+            prefix.extend_from_slice(&gid);
+            let keys = self.live_keys(&prefix)?;
+            doomed += keys.len();
+            let mut overlay = self.lock();
+            for key in keys {
+                overlay.insert(key, None);
+            }
+        }
+        Ok(doomed)
+    }
+
+    /// Stage the deletion of the group's own-leaf list and of the update key
+    /// pair of every leaf in it; returns how many existing keys that covers.
+    ///
+    /// OpenMLS stores an update leaf's private key on its own when the update
+    /// is proposed, reads it while staging the commit that settles the
+    /// proposal, and then deletes only the leaf list: the key itself would
+    /// stay forever. Once the list goes, no reader of the key is left.
+    fn delete_leaves_and_their_keys(&self, gid: &[u8]) -> Result<usize, StorageError> {
+        let list_key = storage_key(OWN_LEAF_NODES, gid);
+        let mut overlay = self.lock();
+        let raw = self.get_in(&overlay, &list_key)?;
+        let mut existing = usize::from(raw.is_some());
+        let leaves: Vec<LeafNode> = decode_list(&list_key, raw).unwrap_or_else(|e| {
+            // The list is being deleted anyway; an unreadable one must not
+            // block a merge or a purge, but its keys cannot be found.
+            tracing::warn!(error = %e, "own leaf nodes unreadable; their update keys stay");
+            Vec::new()
+        });
         for leaf in &leaves {
             let key = storage_key(
                 ENCRYPTION_KEY_PAIR,
                 &encode("encryption key", leaf.encryption_key())?,
             );
-            if self.get_raw(&key)?.is_some() {
-                doomed.insert(key);
+            if self.get_in(&overlay, &key)?.is_some() {
+                existing += 1;
+                overlay.insert(key, None);
             }
         }
-        for label in GROUP_SCOPED {
-            let mut prefix = label_prefix(label);
-            prefix.extend_from_slice(&gid);
-            doomed.extend(self.live_keys(&prefix)?);
-        }
-        let mut overlay = self.lock();
-        for key in &doomed {
-            overlay.insert(key.clone(), None);
-        }
-        Ok(doomed.len())
+        overlay.insert(list_key, None);
+        Ok(existing)
     }
 
     fn lock(&self) -> MutexGuard<'_, Overlay> {
@@ -870,7 +900,8 @@ impl StorageProvider<CURRENT_VERSION> for StagedStorage {
         &self,
         group_id: &GroupId,
     ) -> Result<(), Self::Error> {
-        self.delete(OWN_LEAF_NODES, &group_key(group_id)?)
+        self.delete_leaves_and_their_keys(&group_key(group_id)?)
+            .map(|_| ())
     }
 
     fn delete_group_config<GroupId: traits::GroupId<CURRENT_VERSION>>(
@@ -995,5 +1026,428 @@ impl StorageProvider<CURRENT_VERSION> for StagedStorage {
 
     fn delete_psk<PskKey: traits::PskId<CURRENT_VERSION>>(&self, psk_id: &PskKey) -> Result<(), Self::Error> {
         self.delete(PSK, &encode("psk id", psk_id)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv::{MemKv, SledKv};
+    use openmls_traits::storage::{Entity, Key};
+    use serde::Deserialize;
+    use std::path::Path;
+
+    /// A group id whose encoding can be a byte-prefix of another's raw bytes.
+    #[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+    struct Gid(Vec<u8>);
+    impl Key<CURRENT_VERSION> for Gid {}
+    impl traits::GroupId<CURRENT_VERSION> for Gid {}
+
+    /// Any other key (public keys, references, psk ids).
+    #[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+    struct K(String);
+    impl Key<CURRENT_VERSION> for K {}
+    impl traits::SignaturePublicKey<CURRENT_VERSION> for K {}
+    impl traits::HashReference<CURRENT_VERSION> for K {}
+    impl traits::PskId<CURRENT_VERSION> for K {}
+    impl traits::EncryptionKey<CURRENT_VERSION> for K {}
+
+    /// An epoch serialized as a bare number, like OpenMLS's `GroupEpoch`.
+    #[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq)]
+    struct Epoch(u64);
+    impl Key<CURRENT_VERSION> for Epoch {}
+    impl traits::EpochKey<CURRENT_VERSION> for Epoch {}
+
+    /// A proposal reference: both key and value.
+    #[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+    struct PRef(u32);
+    impl Key<CURRENT_VERSION> for PRef {}
+    impl Entity<CURRENT_VERSION> for PRef {}
+    impl traits::ProposalRef<CURRENT_VERSION> for PRef {}
+
+    /// Any stored value.
+    #[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+    struct V(String);
+    impl Entity<CURRENT_VERSION> for V {}
+    macro_rules! entity {
+        ($($t:ident),*) => { $(impl traits::$t<CURRENT_VERSION> for V {})* };
+    }
+    entity!(
+        QueuedProposal,
+        TreeSync,
+        GroupContext,
+        InterimTranscriptHash,
+        ConfirmationTag,
+        SignatureKeyPair,
+        PskBundle,
+        HpkeKeyPair,
+        GroupState,
+        GroupEpochSecrets,
+        LeafNodeIndex,
+        MessageSecrets,
+        ResumptionPskStore,
+        KeyPackage,
+        MlsGroupJoinConfig,
+        LeafNode
+    );
+
+    fn v(tag: &str, g: &Gid) -> V {
+        V(format!("{tag}:{:?}", g.0))
+    }
+
+    fn open(dir: &Path) -> Arc<dyn KvStore> {
+        Arc::new(SledKv::open(dir).unwrap())
+    }
+
+    fn commit(kv: &Arc<dyn KvStore>, s: StagedStorage) {
+        kv.apply(&s.into_batch()).unwrap();
+        kv.flush().unwrap();
+    }
+
+    /// Every writer of the trait, with values tagged by group.
+    fn write_all(s: &StagedStorage, g: &Gid) {
+        s.write_mls_join_config(g, &v("join", g)).unwrap();
+        s.append_own_leaf_node(g, &v("leaf1", g)).unwrap();
+        s.append_own_leaf_node(g, &v("leaf2", g)).unwrap();
+        s.queue_proposal(g, &PRef(1), &v("prop1", g)).unwrap();
+        s.queue_proposal(g, &PRef(2), &v("prop2", g)).unwrap();
+        s.write_tree(g, &v("tree", g)).unwrap();
+        s.write_interim_transcript_hash(g, &v("ith", g)).unwrap();
+        s.write_context(g, &v("ctx", g)).unwrap();
+        s.write_confirmation_tag(g, &v("tag", g)).unwrap();
+        s.write_group_state(g, &v("state", g)).unwrap();
+        s.write_message_secrets(g, &v("msgsec", g)).unwrap();
+        s.write_resumption_psk_store(g, &v("rpsk", g)).unwrap();
+        s.write_own_leaf_index(g, &v("idx", g)).unwrap();
+        s.write_group_epoch_secrets(g, &v("epsec", g)).unwrap();
+        s.write_encryption_epoch_key_pairs(g, &Epoch(5), 10, &[v("ekp1", g), v("ekp2", g)])
+            .unwrap();
+        s.write_encryption_epoch_key_pairs(g, &Epoch(51), 0, &[v("ekp3", g)])
+            .unwrap();
+    }
+
+    /// Every writer of the trait that is not group-scoped.
+    fn write_crypto(s: &StagedStorage) {
+        s.write_signature_key_pair(&K("sig".into()), &V("sigkp".into()))
+            .unwrap();
+        s.write_encryption_key_pair(&K("enc".into()), &V("enckp".into()))
+            .unwrap();
+        s.write_key_package(&K("kp".into()), &V("kpv".into())).unwrap();
+        s.write_psk(&K("psk".into()), &V("pskv".into())).unwrap();
+    }
+
+    /// Every group-scoped reader, expecting `write_all`'s values or nothing.
+    fn check_group(s: &StagedStorage, g: &Gid, present: bool) {
+        let some = |tag: &str| present.then(|| v(tag, g));
+        let list = |tags: &[&str]| -> Vec<V> {
+            if present {
+                tags.iter().map(|t| v(t, g)).collect()
+            } else {
+                Vec::new()
+            }
+        };
+        assert_eq!(s.mls_group_join_config(g).unwrap(), some("join"));
+        assert_eq!(s.own_leaf_nodes::<_, V>(g).unwrap(), list(&["leaf1", "leaf2"]));
+        let refs: Vec<PRef> = s.queued_proposal_refs(g).unwrap();
+        let props: Vec<(PRef, V)> = s.queued_proposals(g).unwrap();
+        if present {
+            assert_eq!(refs, vec![PRef(1), PRef(2)]);
+            assert_eq!(props, vec![(PRef(1), v("prop1", g)), (PRef(2), v("prop2", g))]);
+        } else {
+            assert!(refs.is_empty() && props.is_empty());
+        }
+        assert_eq!(s.tree(g).unwrap(), some("tree"));
+        assert_eq!(s.interim_transcript_hash(g).unwrap(), some("ith"));
+        assert_eq!(s.group_context(g).unwrap(), some("ctx"));
+        assert_eq!(s.confirmation_tag(g).unwrap(), some("tag"));
+        assert_eq!(s.group_state(g).unwrap(), some("state"));
+        assert_eq!(s.message_secrets(g).unwrap(), some("msgsec"));
+        assert_eq!(s.resumption_psk_store(g).unwrap(), some("rpsk"));
+        assert_eq!(s.own_leaf_index(g).unwrap(), some("idx"));
+        assert_eq!(s.group_epoch_secrets(g).unwrap(), some("epsec"));
+        let e5: Vec<V> = s.encryption_epoch_key_pairs(g, &Epoch(5), 10).unwrap();
+        let e51: Vec<V> = s.encryption_epoch_key_pairs(g, &Epoch(51), 0).unwrap();
+        assert_eq!(e5, list(&["ekp1", "ekp2"]));
+        assert_eq!(e51, list(&["ekp3"]));
+    }
+
+    fn check_crypto(s: &StagedStorage, present: bool) {
+        let some = |x: &str| present.then(|| V(x.into()));
+        assert_eq!(s.signature_key_pair(&K("sig".into())).unwrap(), some("sigkp"));
+        assert_eq!(s.encryption_key_pair(&K("enc".into())).unwrap(), some("enckp"));
+        assert_eq!(s.key_package(&K("kp".into())).unwrap(), some("kpv"));
+        assert_eq!(s.psk(&K("psk".into())).unwrap(), some("pskv"));
+    }
+
+    /// Every deleter of the trait for group `g` and the crypto objects.
+    fn delete_all(s: &StagedStorage, g: &Gid) {
+        s.delete_group_config(g).unwrap();
+        s.delete_own_leaf_nodes(g).unwrap();
+        s.remove_proposal(g, &PRef(1)).unwrap();
+        s.clear_proposal_queue::<_, PRef>(g).unwrap();
+        s.delete_tree(g).unwrap();
+        s.delete_interim_transcript_hash(g).unwrap();
+        s.delete_context(g).unwrap();
+        s.delete_confirmation_tag(g).unwrap();
+        s.delete_group_state(g).unwrap();
+        s.delete_message_secrets(g).unwrap();
+        s.delete_all_resumption_psk_secrets(g).unwrap();
+        s.delete_own_leaf_index(g).unwrap();
+        s.delete_group_epoch_secrets(g).unwrap();
+        s.delete_encryption_epoch_key_pairs(g, &Epoch(5), 10).unwrap();
+        s.delete_encryption_epoch_key_pairs(g, &Epoch(51), 0).unwrap();
+        s.delete_signature_key_pair(&K("sig".into())).unwrap();
+        s.delete_encryption_key_pair(&K("enc".into())).unwrap();
+        s.delete_key_package(&K("kp".into())).unwrap();
+        s.delete_psk(&K("psk".into())).unwrap();
+    }
+
+    fn mls_keys(kv: &Arc<dyn KvStore>) -> Vec<Vec<u8>> {
+        kv.scan_prefix(MLS_KEY_PREFIX, usize::MAX)
+            .unwrap()
+            .into_iter()
+            .map(|(k, _)| k)
+            .collect()
+    }
+
+    #[test]
+    fn every_method_round_trips_across_a_sled_reopen_and_deletes_really_delete() {
+        let dir = tempfile::tempdir().unwrap();
+        // Raw bytes of g1 are a prefix of g2's: their keys must not overlap.
+        let (g1, g2) = (Gid(vec![1]), Gid(vec![1, 2]));
+        {
+            let kv = open(dir.path());
+            let s = DeviceStorage::new(kv.clone()).staged();
+            write_all(&s, &g1);
+            write_all(&s, &g2);
+            write_crypto(&s);
+            // Reads see the overlay; the store has nothing yet.
+            check_group(&s, &g1, true);
+            check_crypto(&s, true);
+            assert!(mls_keys(&kv).is_empty());
+            commit(&kv, s);
+        }
+        {
+            let kv = open(dir.path());
+            let s = DeviceStorage::new(kv.clone()).staged();
+            check_group(&s, &g1, true);
+            check_group(&s, &g2, true);
+            check_crypto(&s, true);
+            delete_all(&s, &g1);
+            check_group(&s, &g1, false);
+            check_crypto(&s, false);
+            commit(&kv, s);
+        }
+        let kv = open(dir.path());
+        let s = DeviceStorage::new(kv.clone()).staged();
+        check_group(&s, &g1, false);
+        check_crypto(&s, false);
+        check_group(&s, &g2, true);
+        // What is left in the store is g2's and nothing else.
+        let g2_json = serde_json::to_vec(&g2).unwrap();
+        let left = mls_keys(&kv);
+        assert_eq!(left.len(), 16);
+        for key in left {
+            assert!(key.windows(g2_json.len()).any(|w| w == g2_json.as_slice()));
+        }
+    }
+
+    #[test]
+    fn missing_values_are_none_and_missing_lists_are_empty() {
+        let s = DeviceStorage::new(Arc::new(MemKv::new())).staged();
+        let g = Gid(vec![7]);
+        check_group(&s, &g, false);
+        check_crypto(&s, false);
+        assert!(!s.contains_group(&GroupId::from_slice(b"none")).unwrap());
+        assert!(s.group_ids().unwrap().is_empty());
+    }
+
+    #[test]
+    fn staged_list_changes_are_seen_before_apply() {
+        let kv: Arc<dyn KvStore> = Arc::new(MemKv::new());
+        let g = Gid(vec![3]);
+        let s = StagedStorage::new(kv.clone());
+        s.queue_proposal(&g, &PRef(1), &V("a".into())).unwrap();
+        commit(&kv, s);
+
+        let s = StagedStorage::new(kv.clone());
+        s.queue_proposal(&g, &PRef(2), &V("b".into())).unwrap();
+        // Queuing the same ref twice must not list it twice.
+        s.queue_proposal(&g, &PRef(2), &V("b".into())).unwrap();
+        let refs: Vec<PRef> = s.queued_proposal_refs(&g).unwrap();
+        assert_eq!(refs, vec![PRef(1), PRef(2)]);
+        s.remove_proposal(&g, &PRef(1)).unwrap();
+        let props: Vec<(PRef, V)> = s.queued_proposals(&g).unwrap();
+        assert_eq!(props, vec![(PRef(2), V("b".into()))]);
+        s.remove_proposal(&g, &PRef(2)).unwrap();
+        let refs: Vec<PRef> = s.queued_proposal_refs(&g).unwrap();
+        assert!(refs.is_empty());
+        // The store still holds the committed state only.
+        let fresh = StagedStorage::new(kv.clone());
+        let refs: Vec<PRef> = fresh.queued_proposal_refs(&g).unwrap();
+        assert_eq!(refs, vec![PRef(1)]);
+        // An emptied list is a delete, not an empty value.
+        commit(&kv, s);
+        assert!(mls_keys(&kv).is_empty());
+    }
+
+    #[test]
+    fn clear_proposal_queue_deletes_every_proposal_and_the_queue() {
+        let kv: Arc<dyn KvStore> = Arc::new(MemKv::new());
+        let (g, other) = (Gid(vec![4]), Gid(vec![5]));
+        let s = StagedStorage::new(kv.clone());
+        for i in 0..3 {
+            s.queue_proposal(&g, &PRef(i), &V(format!("p{i}"))).unwrap();
+        }
+        s.queue_proposal(&other, &PRef(9), &V("keep".into())).unwrap();
+        commit(&kv, s);
+        // A body whose ref was lost (written by an older bug) goes too.
+        let s = StagedStorage::new(kv.clone());
+        s.put(QUEUED_PROPOSAL, &proposal_key(&g, &PRef(77)).unwrap(), &V("orphan".into()))
+            .unwrap();
+        commit(&kv, s);
+
+        let s = StagedStorage::new(kv.clone());
+        s.clear_proposal_queue::<_, PRef>(&g).unwrap();
+        assert!(s.queued_proposals::<_, PRef, V>(&g).unwrap().is_empty());
+        commit(&kv, s);
+
+        let mut gone = label_prefix(QUEUED_PROPOSAL);
+        gone.extend_from_slice(&group_key(&g).unwrap());
+        assert!(kv.scan_prefix(&gone, usize::MAX).unwrap().is_empty());
+        let refs = storage_key(PROPOSAL_QUEUE_REFS, &group_key(&g).unwrap());
+        assert_eq!(kv.get(&refs).unwrap(), None);
+        let s = StagedStorage::new(kv.clone());
+        let kept: Vec<(PRef, V)> = s.queued_proposals(&other).unwrap();
+        assert_eq!(kept, vec![(PRef(9), V("keep".into()))]);
+        assert_eq!(mls_keys(&kv).len(), 2);
+    }
+
+    #[test]
+    fn dropping_the_overlay_discards_the_operation() {
+        let kv: Arc<dyn KvStore> = Arc::new(MemKv::new());
+        let g = Gid(vec![6]);
+        let s = StagedStorage::new(kv.clone());
+        write_all(&s, &g);
+        assert!(s.staged_len() > 0);
+        drop(s);
+        assert!(mls_keys(&kv).is_empty());
+        check_group(&StagedStorage::new(kv), &g, false);
+    }
+
+    #[test]
+    fn take_batch_empties_the_overlay() {
+        let kv: Arc<dyn KvStore> = Arc::new(MemKv::new());
+        let g = Gid(vec![8]);
+        let s = StagedStorage::new(kv.clone());
+        write_all(&s, &g);
+        let batch = s.take_batch();
+        assert!(s.is_empty());
+        // Until the batch is applied the writes are invisible.
+        check_group(&s, &g, false);
+        kv.apply(&batch).unwrap();
+        check_group(&s, &g, true);
+    }
+
+    #[test]
+    fn epoch_and_leaf_index_never_collide() {
+        let s = StagedStorage::new(Arc::new(MemKv::new()));
+        let g = Gid(vec![1]);
+        s.write_encryption_epoch_key_pairs(&g, &Epoch(5), 10, &[V("a".into())])
+            .unwrap();
+        let other: Vec<V> = s.encryption_epoch_key_pairs(&g, &Epoch(51), 0).unwrap();
+        assert!(other.is_empty());
+    }
+
+    #[test]
+    fn purge_group_sweeps_every_epoch_and_leaf_of_that_group_only() {
+        let kv: Arc<dyn KvStore> = Arc::new(MemKv::new());
+        let (g, other) = (Gid(vec![1]), Gid(vec![1, 2]));
+        let s = StagedStorage::new(kv.clone());
+        write_all(&s, &g);
+        write_all(&s, &other);
+        // Leftovers `MlsGroup::delete` would not name: other epochs and leaves.
+        for e in 0..4 {
+            s.write_encryption_epoch_key_pairs(&g, &Epoch(e), e as u32, &[V("old".into())])
+                .unwrap();
+        }
+        write_crypto(&s);
+        commit(&kv, s);
+
+        let s = StagedStorage::new(kv.clone());
+        // 16 keys from write_all plus 4 epochs; the fake leaves hold no keys.
+        assert_eq!(s.purge_group(&g).unwrap(), 20);
+        commit(&kv, s);
+        let s = StagedStorage::new(kv.clone());
+        check_group(&s, &g, false);
+        check_group(&s, &other, true);
+        check_crypto(&s, true);
+        let gone: Vec<V> = s.encryption_epoch_key_pairs(&g, &Epoch(2), 2).unwrap();
+        assert!(gone.is_empty());
+        assert_eq!(mls_keys(&kv).len(), 16 + 4);
+    }
+
+    /// A store whose `apply` always fails.
+    struct Broken(MemKv);
+    impl KvStore for Broken {
+        fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, KvError> {
+            self.0.get(key)
+        }
+        fn range(
+            &self,
+            start: &[u8],
+            end: Option<&[u8]>,
+            limit: usize,
+        ) -> Result<Vec<(Vec<u8>, Vec<u8>)>, KvError> {
+            self.0.range(start, end, limit)
+        }
+        fn apply(&self, _: &WriteBatch) -> Result<(), KvError> {
+            Err(KvError::Engine("disk full".into()))
+        }
+        fn flush(&self) -> Result<(), KvError> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn apply_with_keeps_the_overlay_when_the_store_refuses() {
+        let s = StagedStorage::new(Arc::new(Broken(MemKv::new())));
+        let g = Gid(vec![2]);
+        write_all(&s, &g);
+        let before = s.staged_len();
+        let err = s.apply_with(WriteBatch::new()).unwrap_err();
+        assert_eq!(err, StorageError::Kv(KvError::Engine("disk full".into())));
+        assert_eq!(s.staged_len(), before);
+        check_group(&s, &g, true);
+    }
+
+    #[test]
+    fn apply_with_applies_overlay_and_engine_changes_together() {
+        let kv: Arc<dyn KvStore> = Arc::new(MemKv::new());
+        let g = Gid(vec![2]);
+        let s = StagedStorage::new(kv.clone());
+        write_all(&s, &g);
+        let mut extra = WriteBatch::new();
+        extra.put(b"engine/cursor".to_vec(), b"42".to_vec());
+        s.apply_with(extra).unwrap();
+        assert!(s.is_empty());
+        assert_eq!(kv.get(b"engine/cursor").unwrap(), Some(b"42".to_vec()));
+        check_group(&StagedStorage::new(kv), &g, true);
+    }
+
+    #[test]
+    fn corrupt_values_are_errors_not_panics() {
+        let kv: Arc<dyn KvStore> = Arc::new(MemKv::new());
+        let g = Gid(vec![9]);
+        let mut b = WriteBatch::new();
+        b.put(storage_key(TREE, &group_key(&g).unwrap()), b"{not json".to_vec());
+        b.put(storage_key(OWN_LEAF_NODES, &group_key(&g).unwrap()), b"7".to_vec());
+        kv.apply(&b).unwrap();
+        let s = StagedStorage::new(kv);
+        assert!(matches!(s.tree::<_, V>(&g), Err(StorageError::Corrupt { .. })));
+        assert!(matches!(s.own_leaf_nodes::<_, V>(&g), Err(StorageError::Corrupt { .. })));
+        // Deleting an unreadable list still works.
+        s.delete_own_leaf_nodes(&g).unwrap();
+        assert!(s.own_leaf_nodes::<_, V>(&g).unwrap().is_empty());
     }
 }

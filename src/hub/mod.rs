@@ -141,7 +141,7 @@ impl HubShared {
 #[derive(Clone)]
 pub struct Hub {
     shared: Arc<HubShared>,
-    flusher: Arc<tokio::task::JoinHandle<()>>,
+    flusher: Arc<Mutex<Option<tokio::task::JoinHandle<()>>>>,
 }
 
 impl Hub {
@@ -196,7 +196,7 @@ impl Hub {
         });
         Ok(Hub {
             shared,
-            flusher: Arc::new(flusher),
+            flusher: Arc::new(Mutex::new(Some(flusher))),
         })
     }
 
@@ -281,6 +281,11 @@ impl Hub {
         self.shared.tasks.wait().await;
         let gc = self.shared.core.group_commit();
         gc.flush_now(self.shared.core.store()).await;
-        self.flusher.abort();
+        let flusher = self.flusher.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(f) = flusher {
+            f.abort();
+            // Wait until the task is gone, so its handle on the store is too.
+            let _ = f.await;
+        }
     }
 }

@@ -189,7 +189,9 @@ async fn authenticate(
         expires_at_ms,
     };
     tx.send(binary(&ServerFrame::Challenge(challenge))).await.ok()?;
-    let deadline = tokio::time::Instant::now() + shared.config.challenge_ttl;
+    // The connection outlives the challenge a little, so a late answer is
+    // told `ChallengeExpired` rather than cut off without a reason.
+    let deadline = tokio::time::Instant::now() + shared.config.challenge_ttl * 2;
     loop {
         let msg = tokio::select! {
             _ = shared.shutdown.cancelled() => return None,

@@ -1,0 +1,571 @@
+//! Every hub operation and its errors, against the real hub over loopback.
+
+mod common;
+
+use common::*;
+use hubsync::client::{ClientError, Push};
+use hubsync::hub::{Limits, Rate};
+use hubsync::testkit::{signing_key, TestHub};
+use hubsync::wire::{
+    ClientFrame, ExpectedHead, HubError, PublishOutcome, Request, RetentionClass, ServerFrame,
+    TopicId,
+};
+use std::collections::HashSet;
+use std::time::Duration;
+
+fn unthrottled(c: &mut hubsync::hub::HubConfig) {
+    c.limits = Limits::unthrottled();
+}
+
+async fn next_push(rx: &mut tokio::sync::mpsc::Receiver<Push>) -> Option<Push> {
+    tokio::time::timeout(Duration::from_secs(5), rx.recv()).await.ok().flatten()
+}
+
+async fn no_push(rx: &mut tokio::sync::mpsc::Receiver<Push>) {
+    let r = tokio::time::timeout(Duration::from_millis(300), rx.recv()).await;
+    assert!(r.is_err(), "expected no push, got {r:?}");
+}
+
+#[tokio::test]
+async fn auth_accepts_a_valid_signature_and_refuses_each_bad_one() {
+    let hub = TestHub::start_with(|c| c.challenge_ttl = Duration::from_millis(400)).await.unwrap();
+    let key = signing_key(1);
+
+    // Valid.
+    let good = RawConn::login(hub.url(), &key).await;
+
+    // Wrong signature: signed by another key, claiming ours.
+    let mut c = RawConn::open(hub.url()).await;
+    let mut a = c.auth_for(&signing_key(2));
+    a.device = device_of(&key);
+    c.send(&ClientFrame::Auth(a)).await;
+    assert!(matches!(c.recv().await, Got::Frame(ServerFrame::Error(HubError::BadSignature))));
+
+    // Replayed: the first connection's whole answer sent again elsewhere.
+    let mut first = RawConn::open(hub.url()).await;
+    let a = first.auth_for(&key);
+    first.send(&ClientFrame::Auth(a.clone())).await;
+    assert!(matches!(first.recv().await, Got::Frame(ServerFrame::AuthOk(_))));
+    let mut c = RawConn::open(hub.url()).await;
+    c.send(&ClientFrame::Auth(a)).await;
+    assert!(matches!(c.recv().await, Got::Frame(ServerFrame::Error(HubError::ChallengeReplayed))));
+
+    // A nonce this connection never got.
+    let mut c = RawConn::open(hub.url()).await;
+    let mut a = c.auth_for(&key);
+    a.nonce = [9; 32];
+    c.send(&ClientFrame::Auth(a)).await;
+    assert!(matches!(c.recv().await, Got::Frame(ServerFrame::Error(HubError::UnknownChallenge))));
+
+    // Signed for another hub.
+    let mut c = RawConn::open(hub.url()).await;
+    let a = signed_auth(&key, &c.challenge, "ws://elsewhere:1");
+    c.send(&ClientFrame::Auth(a)).await;
+    assert!(matches!(c.recv().await, Got::Frame(ServerFrame::Error(HubError::WrongHub { .. }))));
+
+    // An unsupported protocol version.
+    let mut c = RawConn::open(hub.url()).await;
+    let mut a = c.auth_for(&key);
+    a.version = 999;
+    c.send(&ClientFrame::Auth(a)).await;
+    assert!(matches!(
+        c.recv().await,
+        Got::Frame(ServerFrame::Error(HubError::UnsupportedVersion { requested: 999, .. }))
+    ));
+
+    // Expired.
+    let mut c = RawConn::open(hub.url()).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let a = c.auth_for(&key);
+    c.send(&ClientFrame::Auth(a)).await;
+    assert!(matches!(c.recv().await, Got::Frame(ServerFrame::Error(HubError::ChallengeExpired))));
+
+    // A second auth on an authenticated connection.
+    let mut good = good;
+    let a = good.auth_for(&key);
+    good.send(&ClientFrame::Auth(a)).await;
+    assert!(matches!(good.recv().await, Got::Frame(ServerFrame::Error(HubError::AlreadyAuthenticated))));
+    assert!(hub.hub().metrics().auth_failures >= 6);
+}
+
+#[tokio::test]
+async fn publish_fetch_and_cas_answers() {
+    let hub = TestHub::start_with(unthrottled).await.unwrap();
+    let c = hub.client(&signing_key(1)).await.unwrap();
+    let t = TopicId::from("log");
+
+    assert_eq!(
+        c.publish(log("log", 1, ExpectedHead::Seq(5), b"x")).await.unwrap(),
+        PublishOutcome::HeadMismatch { current: None }
+    );
+    assert_eq!(
+        c.publish(log("log", 1, ExpectedHead::Empty, b"a")).await.unwrap(),
+        PublishOutcome::Accepted { seq: 1, head: Some(1) }
+    );
+    assert_eq!(
+        c.publish(log("log", 2, ExpectedHead::Empty, b"b")).await.unwrap(),
+        PublishOutcome::HeadMismatch { current: Some(1) }
+    );
+    assert_eq!(
+        c.publish(log("log", 2, ExpectedHead::Seq(1), b"b")).await.unwrap(),
+        PublishOutcome::Accepted { seq: 2, head: Some(2) }
+    );
+    assert_eq!(
+        c.publish(log("log", 3, ExpectedHead::Unconditional, b"c")).await.unwrap(),
+        PublishOutcome::Accepted { seq: 3, head: Some(3) }
+    );
+    // A mailbox publish takes a sequence number but moves no head.
+    assert_eq!(
+        c.publish(mailbox("log", 4, b"m")).await.unwrap(),
+        PublishOutcome::Accepted { seq: 4, head: Some(3) }
+    );
+    let f = c.fetch(&t, 0, 10).await.unwrap();
+    assert_eq!(f.head, Some(3));
+    assert_eq!(f.oldest, Some(1));
+    assert!(!f.gap);
+    let got: Vec<_> = f.messages.iter().map(|m| (m.seq, m.payload.clone())).collect();
+    assert_eq!(got, vec![(1, b"a".to_vec()), (2, b"b".to_vec()), (3, b"c".to_vec())]);
+    assert_eq!(f.messages[0].sender, c.device());
+    let f = c.fetch(&t, 1, 1).await.unwrap();
+    assert_eq!(f.messages.len(), 1);
+    assert_eq!(f.messages[0].seq, 2);
+    let empty = c.fetch(&TopicId::from("nothing"), 0, 10).await.unwrap();
+    assert_eq!((empty.head, empty.oldest, empty.gap, empty.messages.len()), (None, None, false, 0));
+}
+
+#[tokio::test]
+async fn duplicate_conflict_and_replay_only() {
+    let hub = TestHub::start_with(unthrottled).await.unwrap();
+    let a = hub.client(&signing_key(1)).await.unwrap();
+    let b = hub.client(&signing_key(2)).await.unwrap();
+    let t = TopicId::from("t");
+    b.subscribe(&t, None).await.unwrap();
+    let mut pushes = b.take_pushes().unwrap();
+    b.receive(0).await.unwrap();
+
+    assert_eq!(
+        a.publish(log("t", 1, ExpectedHead::Empty, b"one")).await.unwrap(),
+        PublishOutcome::Accepted { seq: 1, head: Some(1) }
+    );
+    match next_push(&mut pushes).await {
+        Some(Push::Delivery(d)) => assert_eq!(d.payload, b"one"),
+        other => panic!("{other:?}"),
+    }
+    // The retry carries a stale head: idempotency runs first.
+    assert_eq!(
+        a.publish(log("t", 1, ExpectedHead::Empty, b"one")).await.unwrap(),
+        PublishOutcome::Duplicate { seq: 1 }
+    );
+    let mut replay = log("t", 1, ExpectedHead::Empty, b"one");
+    replay.replay_only = true;
+    assert_eq!(a.publish(replay).await.unwrap(), PublishOutcome::Duplicate { seq: 1 });
+    // A duplicate fans out to nobody.
+    no_push(&mut pushes).await;
+
+    assert_eq!(
+        a.publish(log("t", 1, ExpectedHead::Seq(1), b"other")).await,
+        Err(ClientError::Hub(HubError::Conflict { seq: 1 }))
+    );
+    let mut unknown = log("t", 77, ExpectedHead::Seq(1), b"never");
+    unknown.replay_only = true;
+    assert_eq!(a.publish(unknown).await.unwrap(), PublishOutcome::HistoryMissing);
+    let f = a.fetch(&t, 0, 10).await.unwrap();
+    assert_eq!(f.head, Some(1));
+    assert_eq!(f.messages.len(), 1);
+    no_push(&mut pushes).await;
+    let m = hub.hub().metrics();
+    assert_eq!((m.accepted, m.duplicates, m.conflicts, m.history_missing), (1, 2, 1, 1));
+}
+
+#[tokio::test]
+async fn publish_limits_are_named_errors() {
+    let hub = TestHub::start_with(|c| {
+        c.limits.max_payload = 1000;
+        c.limits.max_topic = 8;
+        c.limits.device_rate = Rate { per_sec: 1.0, burst: 3.0 };
+    })
+    .await
+    .unwrap();
+    let c = hub.client(&signing_key(1)).await.unwrap();
+    let err = |r: Result<PublishOutcome, ClientError>| match r {
+        Err(ClientError::Hub(e)) => e,
+        other => panic!("expected a hub error, got {other:?}"),
+    };
+    assert_eq!(
+        err(c.publish(log("t", 1, ExpectedHead::Unconditional, &[0; 1001])).await),
+        HubError::PayloadTooLarge { len: 1001, max: 1000 }
+    );
+    assert_eq!(
+        err(c.publish(log("123456789", 1, ExpectedHead::Unconditional, b"x")).await),
+        HubError::BadTopic { len: 9, max: 8 }
+    );
+    assert_eq!(
+        err(c.publish(log("", 1, ExpectedHead::Unconditional, b"x")).await),
+        HubError::BadTopic { len: 0, max: 8 }
+    );
+    let mut m = mailbox("t", 1, b"x");
+    m.expected_head = ExpectedHead::Seq(1);
+    assert_eq!(err(c.publish(m).await), HubError::HeadConditionOnMailbox);
+    let mut long = log("t", 1, ExpectedHead::Unconditional, b"x");
+    long.retention_secs = Some(31 * 24 * 3600);
+    assert!(matches!(err(c.publish(long).await), HubError::RetentionTooLong { .. }));
+    // None of the refusals took a rate token or stored anything.
+    for i in 0..3 {
+        c.publish(log("t", 10 + i, ExpectedHead::Unconditional, b"ok")).await.unwrap();
+    }
+    assert!(matches!(
+        err(c.publish(log("t", 20, ExpectedHead::Unconditional, b"x")).await),
+        HubError::RateLimited { .. }
+    ));
+    assert_eq!(c.fetch(&TopicId::from("t"), 0, 10).await.unwrap().messages.len(), 3);
+    assert!(matches!(
+        c.fetch(&TopicId::from("t"), 0, 0).await,
+        Err(ClientError::Hub(HubError::BadFetchLimit { requested: 0, max: 500 }))
+    ));
+    assert!(matches!(
+        c.fetch(&TopicId::from("t"), 0, 501).await,
+        Err(ClientError::Hub(HubError::BadFetchLimit { requested: 501, .. }))
+    ));
+}
+
+#[tokio::test]
+async fn topic_rate_limit_spans_devices() {
+    let hub = TestHub::start_with(|c| {
+        c.limits.topic_rate = Rate { per_sec: 1.0, burst: 2.0 };
+    })
+    .await
+    .unwrap();
+    let a = hub.client(&signing_key(1)).await.unwrap();
+    let b = hub.client(&signing_key(2)).await.unwrap();
+    a.publish(log("hot", 1, ExpectedHead::Unconditional, b"1")).await.unwrap();
+    b.publish(log("hot", 2, ExpectedHead::Unconditional, b"2")).await.unwrap();
+    assert!(matches!(
+        b.publish(log("hot", 3, ExpectedHead::Unconditional, b"3")).await,
+        Err(ClientError::Hub(HubError::RateLimited { ref scope, .. })) if scope == "topic"
+    ));
+    b.publish(log("cold", 4, ExpectedHead::Unconditional, b"4")).await.unwrap();
+}
+
+#[tokio::test]
+async fn subscriptions_are_limited_durable_and_never_clamped() {
+    let hub = TestHub::start_with(|c| {
+        c.limits = Limits::unthrottled();
+        c.limits.max_subscriptions = 2;
+    })
+    .await
+    .unwrap();
+    let c = hub.client(&signing_key(1)).await.unwrap();
+    c.subscribe(&TopicId::from("a"), None).await.unwrap();
+    c.subscribe(&TopicId::from("a"), Some(60)).await.unwrap(); // update, not a second one
+    c.subscribe(&TopicId::from("b"), None).await.unwrap();
+    assert_eq!(
+        c.subscribe(&TopicId::from("c"), None).await,
+        Err(ClientError::Hub(HubError::TooManySubscriptions { max: 2 }))
+    );
+    assert_eq!(
+        c.subscribe(&TopicId::from("c"), Some(40 * 24 * 3600)).await,
+        Err(ClientError::Hub(HubError::RetentionTooLong {
+            requested_secs: 40 * 24 * 3600,
+            max_secs: 30 * 24 * 3600
+        }))
+    );
+    assert!(c.unsubscribe(&TopicId::from("b")).await.unwrap());
+    assert!(!c.unsubscribe(&TopicId::from("b")).await.unwrap());
+    c.subscribe(&TopicId::from("c"), None).await.unwrap();
+
+    // Subscriptions survive a restart of the hub.
+    let dir = tempfile::tempdir().unwrap();
+    let h = TestHub::start_at(dir.path(), "127.0.0.1:0", unthrottled).await.unwrap();
+    let sub = h.client(&signing_key(5)).await.unwrap();
+    sub.subscribe(&TopicId::from("x"), None).await.unwrap();
+    drop(sub);
+    h.stop().await;
+    let h = TestHub::start_at(dir.path(), "127.0.0.1:0", unthrottled).await.unwrap();
+    let publisher = h.client(&signing_key(6)).await.unwrap();
+    publisher.publish(mailbox("x", 1, b"after restart")).await.unwrap();
+    let sub = h.client(&signing_key(5)).await.unwrap();
+    let mut rx = sub.take_pushes().unwrap();
+    sub.receive(0).await.unwrap();
+    match next_push(&mut rx).await {
+        Some(Push::Delivery(d)) => assert_eq!(d.payload, b"after restart"),
+        other => panic!("{other:?}"),
+    }
+    h.stop().await;
+}
+
+#[tokio::test]
+async fn mailbox_reaches_every_subscriber_but_the_sender_until_acked() {
+    let hub = TestHub::start_with(unthrottled).await.unwrap();
+    let keys: Vec<_> = (1..=3).map(signing_key).collect();
+    let clients: Vec<_> = futures::future::join_all(keys.iter().map(|k| hub.client(k)))
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    let t = TopicId::from("mb");
+    for c in &clients {
+        c.subscribe(&t, None).await.unwrap();
+    }
+    let mut rxs: Vec<_> = clients.iter().map(|c| c.take_pushes().unwrap()).collect();
+    for c in &clients {
+        c.receive(0).await.unwrap();
+    }
+    clients[0].publish(mailbox("mb", 1, b"hello")).await.unwrap();
+    no_push(&mut rxs[0]).await;
+    let mut ids = Vec::new();
+    for (i, rx) in rxs.iter_mut().enumerate().skip(1) {
+        match next_push(rx).await {
+            Some(Push::Delivery(d)) => {
+                assert_eq!(d.payload, b"hello");
+                assert_eq!(d.class, RetentionClass::Mailbox);
+                assert_eq!(d.sender, clients[0].device());
+                ids.push((i, d.id));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    // Mailbox frames are not in the log.
+    assert!(clients[1].fetch(&t, 0, 10).await.unwrap().messages.is_empty());
+    // Acked by one: the other still gets it again after reconnecting.
+    assert_eq!(clients[1].ack(vec![ids[0].1, 999]).await.unwrap(), 1);
+    assert_eq!(clients[1].ack(vec![ids[0].1]).await.unwrap(), 0);
+    assert!(matches!(
+        clients[1].ack((0..1001).collect()).await,
+        Err(ClientError::Hub(HubError::TooManyAcks { count: 1001, max: 1000 }))
+    ));
+    let again = hub.client(&keys[2]).await.unwrap();
+    let mut rx = again.take_pushes().unwrap();
+    again.receive(0).await.unwrap();
+    match next_push(&mut rx).await {
+        Some(Push::Delivery(d)) => assert_eq!(d.id, ids[1].1),
+        other => panic!("{other:?}"),
+    }
+    // The old stream of that device was replaced.
+    match next_push(&mut rxs[2]).await {
+        Some(Push::ReceiveEnded(HubError::ReceiveReplaced)) => {}
+        other => panic!("{other:?}"),
+    }
+    let again1 = hub.client(&keys[1]).await.unwrap();
+    let mut rx1 = again1.take_pushes().unwrap();
+    again1.receive(0).await.unwrap();
+    no_push(&mut rx1).await;
+}
+
+#[tokio::test]
+async fn receive_stream_cut_and_resumed_loses_nothing_and_repeats_nothing_acked() {
+    let hub = TestHub::start_with(unthrottled).await.unwrap();
+    let pubr = hub.client(&signing_key(1)).await.unwrap();
+    let key = signing_key(2);
+    let sub = hub.client(&key).await.unwrap();
+    let t = TopicId::from("stream");
+    sub.subscribe(&t, None).await.unwrap();
+    let mut rx = sub.take_pushes().unwrap();
+    sub.receive(0).await.unwrap();
+    let publisher = tokio::spawn({
+        let pubr = pubr.clone();
+        async move {
+            for i in 0..200u64 {
+                let p = if i % 2 == 0 {
+                    log("stream", i, ExpectedHead::Unconditional, &i.to_be_bytes())
+                } else {
+                    mailbox("stream", i, &i.to_be_bytes())
+                };
+                pubr.publish(p).await.unwrap();
+            }
+        }
+    });
+    // Take 60 deliveries, ack the first 50, then cut the connection.
+    let mut acked = HashSet::new();
+    let mut seen_ids = Vec::new();
+    for _ in 0..60 {
+        match next_push(&mut rx).await {
+            Some(Push::Delivery(d)) => seen_ids.push((d.id, d.payload.clone())),
+            other => panic!("{other:?}"),
+        }
+    }
+    let to_ack: Vec<u64> = seen_ids[..50].iter().map(|(id, _)| *id).collect();
+    sub.ack(to_ack.clone()).await.unwrap();
+    acked.extend(seen_ids[..50].iter().map(|(_, p)| p.clone()));
+    sub.close();
+    publisher.await.unwrap();
+
+    let sub = hub.client(&key).await.unwrap();
+    let mut rx = sub.take_pushes().unwrap();
+    sub.receive(0).await.unwrap();
+    let mut got = HashSet::new();
+    while got.len() + acked.len() < 200 {
+        match next_push(&mut rx).await {
+            Some(Push::Delivery(d)) => {
+                assert!(!acked.contains(&d.payload), "an acked frame came again");
+                assert!(got.insert(d.payload), "a frame came twice in one stream");
+            }
+            other => panic!("stream stopped early at {}: {other:?}", got.len()),
+        }
+    }
+    no_push(&mut rx).await;
+    let all: HashSet<Vec<u8>> = (0..200u64).map(|i| i.to_be_bytes().to_vec()).collect();
+    let union: HashSet<Vec<u8>> = got.union(&acked).cloned().collect();
+    assert_eq!(union, all);
+}
+
+#[tokio::test]
+async fn cas_race_has_exactly_one_winner() {
+    let hub = TestHub::start_with(unthrottled).await.unwrap();
+    let seed = hub.client(&signing_key(100)).await.unwrap();
+    seed.publish(log("race", 0, ExpectedHead::Empty, b"genesis")).await.unwrap();
+    let clients: Vec<_> = futures::future::join_all((1..=24).map(|i| hub.client_owned(i)))
+        .await;
+    let results = futures::future::join_all(clients.iter().enumerate().map(|(i, c)| {
+        c.publish(log("race", 1 + i as u64, ExpectedHead::Seq(1), format!("c{i}").as_bytes()))
+    }))
+    .await;
+    let mut winners = Vec::new();
+    for r in &results {
+        match r.as_ref().unwrap() {
+            PublishOutcome::Accepted { seq, .. } => winners.push(*seq),
+            PublishOutcome::HeadMismatch { current } => assert_eq!(*current, Some(2)),
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(winners, vec![2]);
+    let f = seed.fetch(&TopicId::from("race"), 0, 10).await.unwrap();
+    assert_eq!(f.head, Some(2));
+    assert_eq!(f.messages.len(), 2);
+}
+
+trait ClientOwned {
+    async fn client_owned(&self, n: u64) -> hubsync::client::HubClient;
+}
+
+impl ClientOwned for TestHub {
+    async fn client_owned(&self, n: u64) -> hubsync::client::HubClient {
+        self.client(&signing_key(n)).await.unwrap()
+    }
+}
+
+#[tokio::test]
+async fn log_trim_by_depth_reports_gap() {
+    let hub = TestHub::start_with(|c| {
+        c.limits = Limits::unthrottled();
+        c.limits.max_log_depth = 5;
+    })
+    .await
+    .unwrap();
+    let c = hub.client(&signing_key(1)).await.unwrap();
+    let t = TopicId::from("deep");
+    for i in 1..=12u64 {
+        c.publish(log("deep", i, ExpectedHead::Unconditional, &[i as u8])).await.unwrap();
+    }
+    let f = c.fetch(&t, 0, 100).await.unwrap();
+    assert!(f.gap);
+    assert_eq!(f.oldest, Some(8));
+    assert_eq!(f.head, Some(12));
+    assert_eq!(f.messages.iter().map(|m| m.seq).collect::<Vec<_>>(), vec![8, 9, 10, 11, 12]);
+    let f = c.fetch(&t, 7, 100).await.unwrap();
+    assert!(!f.gap);
+    assert_eq!(f.messages.len(), 5);
+    let f = c.fetch(&t, 6, 100).await.unwrap();
+    assert!(f.gap, "frame 7 after cursor 6 was trimmed");
+    // The head survives trims and never decreases.
+    assert_eq!(
+        c.publish(log("deep", 99, ExpectedHead::Seq(12), b"next")).await.unwrap(),
+        PublishOutcome::Accepted { seq: 13, head: Some(13) }
+    );
+}
+
+#[tokio::test]
+async fn log_trim_by_retention_removes_only_a_prefix() {
+    let hub = TestHub::start_with(unthrottled).await.unwrap();
+    let c = hub.client(&signing_key(1)).await.unwrap();
+    let t = TopicId::from("aging");
+    let mut p = log("aging", 1, ExpectedHead::Unconditional, b"long-lived");
+    p.retention_secs = Some(3600);
+    c.publish(p).await.unwrap();
+    for i in 2..=4u64 {
+        let mut p = log("aging", i, ExpectedHead::Unconditional, b"short");
+        p.retention_secs = Some(1);
+        c.publish(p).await.unwrap();
+    }
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    // Frames 2..4 expired, but frame 1 before them did not: nothing goes.
+    let report = hub.hub().purge_now().await.unwrap();
+    assert_eq!(report.log_frames, 0);
+    assert_eq!(c.fetch(&t, 0, 10).await.unwrap().messages.len(), 4);
+
+    let t2 = TopicId::from("aging2");
+    for i in 1..=3u64 {
+        let mut p = log("aging2", 10 + i, ExpectedHead::Unconditional, b"short");
+        p.retention_secs = Some(if i == 3 { 3600 } else { 1 });
+        c.publish(p).await.unwrap();
+    }
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let report = hub.hub().purge_now().await.unwrap();
+    assert_eq!(report.log_frames, 2);
+    let f = c.fetch(&t2, 0, 10).await.unwrap();
+    assert!(f.gap);
+    assert_eq!(f.oldest, Some(3));
+    assert_eq!(f.head, Some(3));
+}
+
+#[tokio::test]
+async fn key_packages_claimed_exactly_once_under_concurrency() {
+    let hub = TestHub::start_with(|c| {
+        c.limits = Limits::unthrottled();
+        c.limits.max_key_packages = 10;
+        c.limits.max_key_package_bytes = 64;
+    })
+    .await
+    .unwrap();
+    let owner = hub.client(&signing_key(1)).await.unwrap();
+    let pkgs: Vec<Vec<u8>> = (0..10u8).map(|i| vec![i; 8]).collect();
+    assert_eq!(owner.upload_key_packages(pkgs.clone(), None).await.unwrap(), 10);
+    assert_eq!(
+        owner.upload_key_packages(vec![vec![1; 8]], None).await,
+        Err(ClientError::Hub(HubError::KeyPackagePoolFull { pool: 10, adding: 1, max: 10 }))
+    );
+    assert!(matches!(
+        owner.upload_key_packages(vec![vec![1; 65]], None).await,
+        Err(ClientError::Hub(HubError::BadKeyPackage { len: 65, max: 64 }))
+    ));
+    assert!(matches!(
+        owner.upload_key_packages(vec![vec![]], None).await,
+        Err(ClientError::Hub(HubError::BadKeyPackage { len: 0, .. }))
+    ));
+    assert_eq!(owner.key_package_status().await.unwrap(), (10, false));
+
+    let claimers: Vec<_> = futures::future::join_all((2..=16).map(|i| hub.client_owned(i))).await;
+    let dev = owner.device();
+    let results = futures::future::join_all(claimers.iter().map(|c| c.claim_key_package(dev))).await;
+    let mut got = Vec::new();
+    let mut none = 0;
+    for r in results {
+        match r {
+            Ok((p, false)) => got.push(p),
+            Err(ClientError::Hub(HubError::NoKeyPackage)) => none += 1,
+            other => panic!("{other:?}"),
+        }
+    }
+    got.sort();
+    assert_eq!(got, pkgs, "each package handed out exactly once");
+    assert_eq!(none, 5);
+    assert_eq!(owner.key_package_status().await.unwrap(), (0, false));
+
+    owner.upload_key_packages(vec![], Some(vec![42; 8])).await.unwrap();
+    for c in claimers.iter().take(3) {
+        assert_eq!(c.claim_key_package(dev).await.unwrap(), (vec![42; 8], true));
+    }
+    assert_eq!(owner.key_package_status().await.unwrap(), (0, true));
+}
+
+#[tokio::test]
+async fn ping_and_requests_before_auth() {
+    let hub = TestHub::start().await.unwrap();
+    let c = hub.client(&signing_key(1)).await.unwrap();
+    assert!(c.ping().await.unwrap() > 1_600_000_000_000);
+    let mut raw = RawConn::open(hub.url()).await;
+    raw.send(&request(5, Request::Ping)).await;
+    assert!(matches!(
+        raw.recv().await,
+        Got::Frame(ServerFrame::Response { id: 5, result: Err(HubError::NotAuthenticated) })
+    ));
+}
