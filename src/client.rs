@@ -188,7 +188,11 @@ impl HubClient {
         let max = options.max_frame;
         let challenge = match next_frame(&mut source, max).await? {
             ServerFrame::Challenge(c) => c,
-            other => return Err(ClientError::Protocol(format!("expected a challenge, got {other:?}"))),
+            other => {
+                return Err(ClientError::Protocol(format!(
+                    "expected a challenge, got {other:?}"
+                )))
+            }
         };
         let version = PROTOCOL_VERSION.min(challenge.max_version);
         if version < challenge.min_version || version < MIN_PROTOCOL_VERSION {
@@ -200,7 +204,11 @@ impl HubClient {
         }
         let device = DeviceId(key.verifying_key().to_bytes());
         let signature = key
-            .sign(&auth_message(&challenge.nonce, &url, challenge.expires_at_ms))
+            .sign(&auth_message(
+                &challenge.nonce,
+                &url,
+                challenge.expires_at_ms,
+            ))
             .to_bytes()
             .to_vec();
         let auth = ClientFrame::Auth(Auth {
@@ -217,7 +225,11 @@ impl HubClient {
         let ok = match next_frame(&mut source, max).await? {
             ServerFrame::AuthOk(ok) => ok,
             ServerFrame::Error(e) => return Err(ClientError::Hub(e)),
-            other => return Err(ClientError::Protocol(format!("expected auth ok, got {other:?}"))),
+            other => {
+                return Err(ClientError::Protocol(format!(
+                    "expected auth ok, got {other:?}"
+                )))
+            }
         };
 
         let (tx, mut rx) = mpsc::channel::<Message>(256);
@@ -390,7 +402,12 @@ impl HubClient {
     ///
     /// # Errors
     /// As [`HubClient::request`].
-    pub async fn fetch(&self, topic: &TopicId, after: u64, limit: u32) -> Result<FetchResult, ClientError> {
+    pub async fn fetch(
+        &self,
+        topic: &TopicId,
+        after: u64,
+        limit: u32,
+    ) -> Result<FetchResult, ClientError> {
         match self
             .request(Request::Fetch {
                 topic: topic.clone(),
@@ -408,7 +425,11 @@ impl HubClient {
     ///
     /// # Errors
     /// As [`HubClient::request`].
-    pub async fn subscribe(&self, topic: &TopicId, retention_secs: Option<u64>) -> Result<(), ClientError> {
+    pub async fn subscribe(
+        &self,
+        topic: &TopicId,
+        retention_secs: Option<u64>,
+    ) -> Result<(), ClientError> {
         match self
             .request(Request::Subscribe {
                 topic: topic.clone(),
@@ -486,7 +507,10 @@ impl HubClient {
     ///
     /// # Errors
     /// As [`HubClient::request`]; `Hub(NoKeyPackage)` when none is left.
-    pub async fn claim_key_package(&self, device: DeviceId) -> Result<(Vec<u8>, bool), ClientError> {
+    pub async fn claim_key_package(
+        &self,
+        device: DeviceId,
+    ) -> Result<(Vec<u8>, bool), ClientError> {
         match self.request(Request::ClaimKeyPackage { device }).await? {
             Response::KeyPackage {
                 package,
@@ -524,13 +548,15 @@ fn unexpected(r: Response) -> ClientError {
 }
 
 async fn next_frame(
-    source: &mut (impl futures::Stream<Item = Result<Message, tokio_tungstenite::tungstenite::Error>> + Unpin),
+    source: &mut (impl futures::Stream<Item = Result<Message, tokio_tungstenite::tungstenite::Error>>
+              + Unpin),
     max: usize,
 ) -> Result<ServerFrame, ClientError> {
     loop {
         match source.next().await {
             Some(Ok(Message::Binary(b))) => {
-                return ServerFrame::decode(&b, max).map_err(|e| ClientError::Protocol(e.to_string()))
+                return ServerFrame::decode(&b, max)
+                    .map_err(|e| ClientError::Protocol(e.to_string()))
             }
             Some(Ok(Message::Close(c))) => {
                 return Err(match c {

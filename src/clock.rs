@@ -39,9 +39,7 @@ impl Clock {
                 .duration_since(UNIX_EPOCH)
                 .map(|d| d.as_millis() as u64)
                 .unwrap_or(0),
-            Clock::Tokio { origin_ms, started } => {
-                origin_ms + started.elapsed().as_millis() as u64
-            }
+            Clock::Tokio { origin_ms, started } => origin_ms + started.elapsed().as_millis() as u64,
         }
     }
 }

@@ -11,6 +11,9 @@ use std::ops::Bound;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
+/// Key-value pairs in key order, as range reads return them.
+pub type Entries = Vec<(Vec<u8>, Vec<u8>)>;
+
 /// A failure of the storage engine itself (disk, corruption, a poisoned lock).
 ///
 /// Never used for "not found": a missing key is `Ok(None)`.
@@ -94,12 +97,7 @@ pub trait KvStore: Send + Sync + 'static {
 
     /// Up to `limit` entries with `start <= key < end` (no upper bound when
     /// `end` is `None`), in ascending key order.
-    fn range(
-        &self,
-        start: &[u8],
-        end: Option<&[u8]>,
-        limit: usize,
-    ) -> Result<Vec<(Vec<u8>, Vec<u8>)>, KvError>;
+    fn range(&self, start: &[u8], end: Option<&[u8]>, limit: usize) -> Result<Entries, KvError>;
 
     /// Apply every operation of `batch` atomically (not yet durable).
     fn apply(&self, batch: &WriteBatch) -> Result<(), KvError>;
@@ -115,7 +113,7 @@ pub trait KvStore: Send + Sync + 'static {
     }
 
     /// Up to `limit` entries whose key starts with `prefix`, in key order.
-    fn scan_prefix(&self, prefix: &[u8], limit: usize) -> Result<Vec<(Vec<u8>, Vec<u8>)>, KvError> {
+    fn scan_prefix(&self, prefix: &[u8], limit: usize) -> Result<Entries, KvError> {
         let end = prefix_end(prefix);
         self.range(prefix, end.as_deref(), limit)
     }
@@ -157,12 +155,7 @@ impl KvStore for SledKv {
         Ok(self.db.get(key)?.map(|v| v.to_vec()))
     }
 
-    fn range(
-        &self,
-        start: &[u8],
-        end: Option<&[u8]>,
-        limit: usize,
-    ) -> Result<Vec<(Vec<u8>, Vec<u8>)>, KvError> {
+    fn range(&self, start: &[u8], end: Option<&[u8]>, limit: usize) -> Result<Entries, KvError> {
         let upper = match end {
             Some(e) => Bound::Excluded(e),
             None => Bound::Unbounded,
@@ -261,12 +254,7 @@ impl KvStore for MemKv {
         Ok(self.lock().live.get(key).cloned())
     }
 
-    fn range(
-        &self,
-        start: &[u8],
-        end: Option<&[u8]>,
-        limit: usize,
-    ) -> Result<Vec<(Vec<u8>, Vec<u8>)>, KvError> {
+    fn range(&self, start: &[u8], end: Option<&[u8]>, limit: usize) -> Result<Entries, KvError> {
         let inner = self.lock();
         let upper = match end {
             Some(e) => Bound::Excluded(e.to_vec()),

@@ -12,7 +12,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 #[derive(Parser)]
-#[command(name = "hubsync", version, about = "End-to-end encrypted group sync over MLS")]
+#[command(
+    name = "hubsync",
+    version,
+    about = "End-to-end encrypted group sync over MLS"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -97,7 +101,8 @@ async fn run_hub(args: HubArgs) -> Result<(), String> {
     std::fs::create_dir_all(&args.data)
         .map_err(|e| format!("cannot create {}: {e}", args.data.display()))?;
     let store: Arc<dyn KvStore> = Arc::new(
-        SledKv::open(&args.data).map_err(|e| format!("cannot open {}: {e}", args.data.display()))?,
+        SledKv::open(&args.data)
+            .map_err(|e| format!("cannot open {}: {e}", args.data.display()))?,
     );
     let url = args.public_url.unwrap_or_else(|| format!("ws://{addr}"));
     let mut config = HubConfig::new(url.clone());
@@ -116,7 +121,8 @@ async fn run_hub(args: HubArgs) -> Result<(), String> {
         max_subscriptions: args.max_subscriptions,
         ..Limits::default()
     };
-    let hub = Hub::start(store, config, Clock::System, SharedRng::from_entropy()).map_err(|e| e.to_string())?;
+    let hub = Hub::start(store, config, Clock::System, SharedRng::from_entropy())
+        .map_err(|e| e.to_string())?;
     hub.serve(listener);
     // Tests and scripts read this line to learn the port.
     println!("hubsync hub listening on {addr} as {url}");

@@ -96,6 +96,9 @@ mod tests {
         let b = SharedRng::seeded(42);
         assert_eq!(a.bytes32(), b.bytes32());
         assert_eq!(a.fork().next_u64(), b.fork().next_u64());
-        assert_ne!(SharedRng::seeded(1).bytes32(), SharedRng::seeded(2).bytes32());
+        assert_ne!(
+            SharedRng::seeded(1).bytes32(),
+            SharedRng::seeded(2).bytes32()
+        );
     }
 }

@@ -42,10 +42,18 @@ pub fn host_port(url: &str) -> io::Result<String> {
     let rest = url
         .strip_prefix("ws://")
         .or_else(|| url.strip_prefix("wss://"))
-        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, format!("not a ws:// URL: {url}")))?;
+        .ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("not a ws:// URL: {url}"),
+            )
+        })?;
     let authority = rest.split('/').next().unwrap_or_default();
     if authority.is_empty() {
-        return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("no host in URL: {url}")));
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("no host in URL: {url}"),
+        ));
     }
     if authority.contains(':') {
         Ok(authority.to_string())
@@ -57,7 +65,9 @@ pub fn host_port(url: &str) -> io::Result<String> {
 /// WebSocket limits shared by the hub and the client: a message may be twice
 /// the protocol's frame limit, so that an oversized frame still arrives and
 /// gets a named `FrameTooLarge` answer instead of a dropped connection.
-pub(crate) fn ws_config(max_frame: usize) -> tokio_tungstenite::tungstenite::protocol::WebSocketConfig {
+pub(crate) fn ws_config(
+    max_frame: usize,
+) -> tokio_tungstenite::tungstenite::protocol::WebSocketConfig {
     tokio_tungstenite::tungstenite::protocol::WebSocketConfig::default()
         .max_message_size(Some(max_frame * 2))
         .max_frame_size(Some(max_frame * 2))

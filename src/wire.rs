@@ -637,10 +637,11 @@ fn encode_body<T: Serialize>(kind: u8, body: &T) -> Vec<u8> {
 }
 
 fn decode_body<T: DeserializeOwned>(kind: u8, body: &[u8]) -> Result<T, DecodeError> {
-    let (value, rest) = postcard::take_from_bytes::<T>(body).map_err(|e| DecodeError::Malformed {
-        kind,
-        reason: e.to_string(),
-    })?;
+    let (value, rest) =
+        postcard::take_from_bytes::<T>(body).map_err(|e| DecodeError::Malformed {
+            kind,
+            reason: e.to_string(),
+        })?;
     if !rest.is_empty() {
         return Err(DecodeError::Malformed {
             kind,
@@ -776,7 +777,10 @@ mod tests {
     #[test]
     fn unknown_kinds_operations_and_trailing_bytes_are_named() {
         assert_eq!(ClientFrame::decode(&[], 10), Err(DecodeError::Empty));
-        assert_eq!(ClientFrame::decode(&[9, 0], 10), Err(DecodeError::UnknownKind(9)));
+        assert_eq!(
+            ClientFrame::decode(&[9, 0], 10),
+            Err(DecodeError::UnknownKind(9))
+        );
         // kind 2, id 5, op 77
         assert_eq!(
             ClientFrame::decode(&[2, 5, 77], 10),

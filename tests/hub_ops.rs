@@ -18,7 +18,10 @@ fn unthrottled(c: &mut hubsync::hub::HubConfig) {
 }
 
 async fn next_push(rx: &mut tokio::sync::mpsc::Receiver<Push>) -> Option<Push> {
-    tokio::time::timeout(Duration::from_secs(5), rx.recv()).await.ok().flatten()
+    tokio::time::timeout(Duration::from_secs(5), rx.recv())
+        .await
+        .ok()
+        .flatten()
 }
 
 async fn no_push(rx: &mut tokio::sync::mpsc::Receiver<Push>) {
@@ -28,7 +31,9 @@ async fn no_push(rx: &mut tokio::sync::mpsc::Receiver<Push>) {
 
 #[tokio::test]
 async fn auth_accepts_a_valid_signature_and_refuses_each_bad_one() {
-    let hub = TestHub::start_with(|c| c.challenge_ttl = Duration::from_millis(400)).await.unwrap();
+    let hub = TestHub::start_with(|c| c.challenge_ttl = Duration::from_millis(400))
+        .await
+        .unwrap();
     let key = signing_key(1);
 
     // Valid.
@@ -39,29 +44,44 @@ async fn auth_accepts_a_valid_signature_and_refuses_each_bad_one() {
     let mut a = c.auth_for(&signing_key(2));
     a.device = device_of(&key);
     c.send(&ClientFrame::Auth(a)).await;
-    assert!(matches!(c.recv().await, Got::Frame(ServerFrame::Error(HubError::BadSignature))));
+    assert!(matches!(
+        c.recv().await,
+        Got::Frame(ServerFrame::Error(HubError::BadSignature))
+    ));
 
     // Replayed: the first connection's whole answer sent again elsewhere.
     let mut first = RawConn::open(hub.url()).await;
     let a = first.auth_for(&key);
     first.send(&ClientFrame::Auth(a.clone())).await;
-    assert!(matches!(first.recv().await, Got::Frame(ServerFrame::AuthOk(_))));
+    assert!(matches!(
+        first.recv().await,
+        Got::Frame(ServerFrame::AuthOk(_))
+    ));
     let mut c = RawConn::open(hub.url()).await;
     c.send(&ClientFrame::Auth(a)).await;
-    assert!(matches!(c.recv().await, Got::Frame(ServerFrame::Error(HubError::ChallengeReplayed))));
+    assert!(matches!(
+        c.recv().await,
+        Got::Frame(ServerFrame::Error(HubError::ChallengeReplayed))
+    ));
 
     // A nonce this connection never got.
     let mut c = RawConn::open(hub.url()).await;
     let mut a = c.auth_for(&key);
     a.nonce = [9; 32];
     c.send(&ClientFrame::Auth(a)).await;
-    assert!(matches!(c.recv().await, Got::Frame(ServerFrame::Error(HubError::UnknownChallenge))));
+    assert!(matches!(
+        c.recv().await,
+        Got::Frame(ServerFrame::Error(HubError::UnknownChallenge))
+    ));
 
     // Signed for another hub.
     let mut c = RawConn::open(hub.url()).await;
     let a = signed_auth(&key, &c.challenge, "ws://elsewhere:1");
     c.send(&ClientFrame::Auth(a)).await;
-    assert!(matches!(c.recv().await, Got::Frame(ServerFrame::Error(HubError::WrongHub { .. }))));
+    assert!(matches!(
+        c.recv().await,
+        Got::Frame(ServerFrame::Error(HubError::WrongHub { .. }))
+    ));
 
     // An unsupported protocol version.
     let mut c = RawConn::open(hub.url()).await;
@@ -70,7 +90,10 @@ async fn auth_accepts_a_valid_signature_and_refuses_each_bad_one() {
     c.send(&ClientFrame::Auth(a)).await;
     assert!(matches!(
         c.recv().await,
-        Got::Frame(ServerFrame::Error(HubError::UnsupportedVersion { requested: 999, .. }))
+        Got::Frame(ServerFrame::Error(HubError::UnsupportedVersion {
+            requested: 999,
+            ..
+        }))
     ));
 
     // Expired.
@@ -78,13 +101,19 @@ async fn auth_accepts_a_valid_signature_and_refuses_each_bad_one() {
     tokio::time::sleep(Duration::from_millis(500)).await;
     let a = c.auth_for(&key);
     c.send(&ClientFrame::Auth(a)).await;
-    assert!(matches!(c.recv().await, Got::Frame(ServerFrame::Error(HubError::ChallengeExpired))));
+    assert!(matches!(
+        c.recv().await,
+        Got::Frame(ServerFrame::Error(HubError::ChallengeExpired))
+    ));
 
     // A second auth on an authenticated connection.
     let mut good = good;
     let a = good.auth_for(&key);
     good.send(&ClientFrame::Auth(a)).await;
-    assert!(matches!(good.recv().await, Got::Frame(ServerFrame::Error(HubError::AlreadyAuthenticated))));
+    assert!(matches!(
+        good.recv().await,
+        Got::Frame(ServerFrame::Error(HubError::AlreadyAuthenticated))
+    ));
     assert!(hub.hub().metrics().auth_failures >= 6);
 }
 
@@ -95,42 +124,74 @@ async fn publish_fetch_and_cas_answers() {
     let t = TopicId::from("log");
 
     assert_eq!(
-        c.publish(log("log", 1, ExpectedHead::Seq(5), b"x")).await.unwrap(),
+        c.publish(log("log", 1, ExpectedHead::Seq(5), b"x"))
+            .await
+            .unwrap(),
         PublishOutcome::HeadMismatch { current: None }
     );
     assert_eq!(
-        c.publish(log("log", 1, ExpectedHead::Empty, b"a")).await.unwrap(),
-        PublishOutcome::Accepted { seq: 1, head: Some(1) }
+        c.publish(log("log", 1, ExpectedHead::Empty, b"a"))
+            .await
+            .unwrap(),
+        PublishOutcome::Accepted {
+            seq: 1,
+            head: Some(1)
+        }
     );
     assert_eq!(
-        c.publish(log("log", 2, ExpectedHead::Empty, b"b")).await.unwrap(),
+        c.publish(log("log", 2, ExpectedHead::Empty, b"b"))
+            .await
+            .unwrap(),
         PublishOutcome::HeadMismatch { current: Some(1) }
     );
     assert_eq!(
-        c.publish(log("log", 2, ExpectedHead::Seq(1), b"b")).await.unwrap(),
-        PublishOutcome::Accepted { seq: 2, head: Some(2) }
+        c.publish(log("log", 2, ExpectedHead::Seq(1), b"b"))
+            .await
+            .unwrap(),
+        PublishOutcome::Accepted {
+            seq: 2,
+            head: Some(2)
+        }
     );
     assert_eq!(
-        c.publish(log("log", 3, ExpectedHead::Unconditional, b"c")).await.unwrap(),
-        PublishOutcome::Accepted { seq: 3, head: Some(3) }
+        c.publish(log("log", 3, ExpectedHead::Unconditional, b"c"))
+            .await
+            .unwrap(),
+        PublishOutcome::Accepted {
+            seq: 3,
+            head: Some(3)
+        }
     );
     // A mailbox publish takes a sequence number but moves no head.
     assert_eq!(
         c.publish(mailbox("log", 4, b"m")).await.unwrap(),
-        PublishOutcome::Accepted { seq: 4, head: Some(3) }
+        PublishOutcome::Accepted {
+            seq: 4,
+            head: Some(3)
+        }
     );
     let f = c.fetch(&t, 0, 10).await.unwrap();
     assert_eq!(f.head, Some(3));
     assert_eq!(f.oldest, Some(1));
     assert!(!f.gap);
-    let got: Vec<_> = f.messages.iter().map(|m| (m.seq, m.payload.clone())).collect();
-    assert_eq!(got, vec![(1, b"a".to_vec()), (2, b"b".to_vec()), (3, b"c".to_vec())]);
+    let got: Vec<_> = f
+        .messages
+        .iter()
+        .map(|m| (m.seq, m.payload.clone()))
+        .collect();
+    assert_eq!(
+        got,
+        vec![(1, b"a".to_vec()), (2, b"b".to_vec()), (3, b"c".to_vec())]
+    );
     assert_eq!(f.messages[0].sender, c.device());
     let f = c.fetch(&t, 1, 1).await.unwrap();
     assert_eq!(f.messages.len(), 1);
     assert_eq!(f.messages[0].seq, 2);
     let empty = c.fetch(&TopicId::from("nothing"), 0, 10).await.unwrap();
-    assert_eq!((empty.head, empty.oldest, empty.gap, empty.messages.len()), (None, None, false, 0));
+    assert_eq!(
+        (empty.head, empty.oldest, empty.gap, empty.messages.len()),
+        (None, None, false, 0)
+    );
 }
 
 #[tokio::test]
@@ -144,8 +205,13 @@ async fn duplicate_conflict_and_replay_only() {
     b.receive(0).await.unwrap();
 
     assert_eq!(
-        a.publish(log("t", 1, ExpectedHead::Empty, b"one")).await.unwrap(),
-        PublishOutcome::Accepted { seq: 1, head: Some(1) }
+        a.publish(log("t", 1, ExpectedHead::Empty, b"one"))
+            .await
+            .unwrap(),
+        PublishOutcome::Accepted {
+            seq: 1,
+            head: Some(1)
+        }
     );
     match next_push(&mut pushes).await {
         Some(Push::Delivery(d)) => assert_eq!(d.payload, b"one"),
@@ -153,12 +219,17 @@ async fn duplicate_conflict_and_replay_only() {
     }
     // The retry carries a stale head: idempotency runs first.
     assert_eq!(
-        a.publish(log("t", 1, ExpectedHead::Empty, b"one")).await.unwrap(),
+        a.publish(log("t", 1, ExpectedHead::Empty, b"one"))
+            .await
+            .unwrap(),
         PublishOutcome::Duplicate { seq: 1 }
     );
     let mut replay = log("t", 1, ExpectedHead::Empty, b"one");
     replay.replay_only = true;
-    assert_eq!(a.publish(replay).await.unwrap(), PublishOutcome::Duplicate { seq: 1 });
+    assert_eq!(
+        a.publish(replay).await.unwrap(),
+        PublishOutcome::Duplicate { seq: 1 }
+    );
     // A duplicate fans out to nobody.
     no_push(&mut pushes).await;
 
@@ -168,13 +239,19 @@ async fn duplicate_conflict_and_replay_only() {
     );
     let mut unknown = log("t", 77, ExpectedHead::Seq(1), b"never");
     unknown.replay_only = true;
-    assert_eq!(a.publish(unknown).await.unwrap(), PublishOutcome::HistoryMissing);
+    assert_eq!(
+        a.publish(unknown).await.unwrap(),
+        PublishOutcome::HistoryMissing
+    );
     let f = a.fetch(&t, 0, 10).await.unwrap();
     assert_eq!(f.head, Some(1));
     assert_eq!(f.messages.len(), 1);
     no_push(&mut pushes).await;
     let m = hub.hub().metrics();
-    assert_eq!((m.accepted, m.duplicates, m.conflicts, m.history_missing), (1, 2, 1, 1));
+    assert_eq!(
+        (m.accepted, m.duplicates, m.conflicts, m.history_missing),
+        (1, 2, 1, 1)
+    );
 }
 
 #[tokio::test]
@@ -182,7 +259,10 @@ async fn publish_limits_are_named_errors() {
     let hub = TestHub::start_with(|c| {
         c.limits.max_payload = 1000;
         c.limits.max_topic = 8;
-        c.limits.device_rate = Rate { per_sec: 1.0, burst: 3.0 };
+        c.limits.device_rate = Rate {
+            per_sec: 1.0,
+            burst: 3.0,
+        };
     })
     .await
     .unwrap();
@@ -192,15 +272,24 @@ async fn publish_limits_are_named_errors() {
         other => panic!("expected a hub error, got {other:?}"),
     };
     assert_eq!(
-        err(c.publish(log("t", 1, ExpectedHead::Unconditional, &[0; 1001])).await),
-        HubError::PayloadTooLarge { len: 1001, max: 1000 }
+        err(c
+            .publish(log("t", 1, ExpectedHead::Unconditional, &[0; 1001]))
+            .await),
+        HubError::PayloadTooLarge {
+            len: 1001,
+            max: 1000
+        }
     );
     assert_eq!(
-        err(c.publish(log("123456789", 1, ExpectedHead::Unconditional, b"x")).await),
+        err(c
+            .publish(log("123456789", 1, ExpectedHead::Unconditional, b"x"))
+            .await),
         HubError::BadTopic { len: 9, max: 8 }
     );
     assert_eq!(
-        err(c.publish(log("", 1, ExpectedHead::Unconditional, b"x")).await),
+        err(c
+            .publish(log("", 1, ExpectedHead::Unconditional, b"x"))
+            .await),
         HubError::BadTopic { len: 0, max: 8 }
     );
     let mut m = mailbox("t", 1, b"x");
@@ -208,42 +297,71 @@ async fn publish_limits_are_named_errors() {
     assert_eq!(err(c.publish(m).await), HubError::HeadConditionOnMailbox);
     let mut long = log("t", 1, ExpectedHead::Unconditional, b"x");
     long.retention_secs = Some(31 * 24 * 3600);
-    assert!(matches!(err(c.publish(long).await), HubError::RetentionTooLong { .. }));
+    assert!(matches!(
+        err(c.publish(long).await),
+        HubError::RetentionTooLong { .. }
+    ));
     // None of the refusals took a rate token or stored anything.
     for i in 0..3 {
-        c.publish(log("t", 10 + i, ExpectedHead::Unconditional, b"ok")).await.unwrap();
+        c.publish(log("t", 10 + i, ExpectedHead::Unconditional, b"ok"))
+            .await
+            .unwrap();
     }
     assert!(matches!(
-        err(c.publish(log("t", 20, ExpectedHead::Unconditional, b"x")).await),
+        err(c
+            .publish(log("t", 20, ExpectedHead::Unconditional, b"x"))
+            .await),
         HubError::RateLimited { .. }
     ));
-    assert_eq!(c.fetch(&TopicId::from("t"), 0, 10).await.unwrap().messages.len(), 3);
+    assert_eq!(
+        c.fetch(&TopicId::from("t"), 0, 10)
+            .await
+            .unwrap()
+            .messages
+            .len(),
+        3
+    );
     assert!(matches!(
         c.fetch(&TopicId::from("t"), 0, 0).await,
-        Err(ClientError::Hub(HubError::BadFetchLimit { requested: 0, max: 500 }))
+        Err(ClientError::Hub(HubError::BadFetchLimit {
+            requested: 0,
+            max: 500
+        }))
     ));
     assert!(matches!(
         c.fetch(&TopicId::from("t"), 0, 501).await,
-        Err(ClientError::Hub(HubError::BadFetchLimit { requested: 501, .. }))
+        Err(ClientError::Hub(HubError::BadFetchLimit {
+            requested: 501,
+            ..
+        }))
     ));
 }
 
 #[tokio::test]
 async fn topic_rate_limit_spans_devices() {
     let hub = TestHub::start_with(|c| {
-        c.limits.topic_rate = Rate { per_sec: 1.0, burst: 2.0 };
+        c.limits.topic_rate = Rate {
+            per_sec: 1.0,
+            burst: 2.0,
+        };
     })
     .await
     .unwrap();
     let a = hub.client(&signing_key(1)).await.unwrap();
     let b = hub.client(&signing_key(2)).await.unwrap();
-    a.publish(log("hot", 1, ExpectedHead::Unconditional, b"1")).await.unwrap();
-    b.publish(log("hot", 2, ExpectedHead::Unconditional, b"2")).await.unwrap();
+    a.publish(log("hot", 1, ExpectedHead::Unconditional, b"1"))
+        .await
+        .unwrap();
+    b.publish(log("hot", 2, ExpectedHead::Unconditional, b"2"))
+        .await
+        .unwrap();
     assert!(matches!(
         b.publish(log("hot", 3, ExpectedHead::Unconditional, b"3")).await,
         Err(ClientError::Hub(HubError::RateLimited { ref scope, .. })) if scope == "topic"
     ));
-    b.publish(log("cold", 4, ExpectedHead::Unconditional, b"4")).await.unwrap();
+    b.publish(log("cold", 4, ExpectedHead::Unconditional, b"4"))
+        .await
+        .unwrap();
 }
 
 #[tokio::test]
@@ -275,14 +393,21 @@ async fn subscriptions_are_limited_durable_and_never_clamped() {
 
     // Subscriptions survive a restart of the hub.
     let dir = tempfile::tempdir().unwrap();
-    let h = TestHub::start_at(dir.path(), "127.0.0.1:0", unthrottled).await.unwrap();
+    let h = TestHub::start_at(dir.path(), "127.0.0.1:0", unthrottled)
+        .await
+        .unwrap();
     let sub = h.client(&signing_key(5)).await.unwrap();
     sub.subscribe(&TopicId::from("x"), None).await.unwrap();
     drop(sub);
     h.stop().await;
-    let h = TestHub::start_at(dir.path(), "127.0.0.1:0", unthrottled).await.unwrap();
+    let h = TestHub::start_at(dir.path(), "127.0.0.1:0", unthrottled)
+        .await
+        .unwrap();
     let publisher = h.client(&signing_key(6)).await.unwrap();
-    publisher.publish(mailbox("x", 1, b"after restart")).await.unwrap();
+    publisher
+        .publish(mailbox("x", 1, b"after restart"))
+        .await
+        .unwrap();
     let sub = h.client(&signing_key(5)).await.unwrap();
     let mut rx = sub.take_pushes().unwrap();
     sub.receive(0).await.unwrap();
@@ -310,7 +435,10 @@ async fn mailbox_reaches_every_subscriber_but_the_sender_until_acked() {
     for c in &clients {
         c.receive(0).await.unwrap();
     }
-    clients[0].publish(mailbox("mb", 1, b"hello")).await.unwrap();
+    clients[0]
+        .publish(mailbox("mb", 1, b"hello"))
+        .await
+        .unwrap();
     no_push(&mut rxs[0]).await;
     let mut ids = Vec::new();
     for (i, rx) in rxs.iter_mut().enumerate().skip(1) {
@@ -325,13 +453,21 @@ async fn mailbox_reaches_every_subscriber_but_the_sender_until_acked() {
         }
     }
     // Mailbox frames are not in the log.
-    assert!(clients[1].fetch(&t, 0, 10).await.unwrap().messages.is_empty());
+    assert!(clients[1]
+        .fetch(&t, 0, 10)
+        .await
+        .unwrap()
+        .messages
+        .is_empty());
     // Acked by one: the other still gets it again after reconnecting.
     assert_eq!(clients[1].ack(vec![ids[0].1, 999]).await.unwrap(), 1);
     assert_eq!(clients[1].ack(vec![ids[0].1]).await.unwrap(), 0);
     assert!(matches!(
         clients[1].ack((0..1001).collect()).await,
-        Err(ClientError::Hub(HubError::TooManyAcks { count: 1001, max: 1000 }))
+        Err(ClientError::Hub(HubError::TooManyAcks {
+            count: 1001,
+            max: 1000
+        }))
     ));
     let again = hub.client(&keys[2]).await.unwrap();
     let mut rx = again.take_pushes().unwrap();
@@ -412,11 +548,17 @@ async fn receive_stream_cut_and_resumed_loses_nothing_and_repeats_nothing_acked(
 async fn cas_race_has_exactly_one_winner() {
     let hub = TestHub::start_with(unthrottled).await.unwrap();
     let seed = hub.client(&signing_key(100)).await.unwrap();
-    seed.publish(log("race", 0, ExpectedHead::Empty, b"genesis")).await.unwrap();
-    let clients: Vec<_> = futures::future::join_all((1..=24).map(|i| hub.client_owned(i)))
-        .await;
+    seed.publish(log("race", 0, ExpectedHead::Empty, b"genesis"))
+        .await
+        .unwrap();
+    let clients: Vec<_> = futures::future::join_all((1..=24).map(|i| hub.client_owned(i))).await;
     let results = futures::future::join_all(clients.iter().enumerate().map(|(i, c)| {
-        c.publish(log("race", 1 + i as u64, ExpectedHead::Seq(1), format!("c{i}").as_bytes()))
+        c.publish(log(
+            "race",
+            1 + i as u64,
+            ExpectedHead::Seq(1),
+            format!("c{i}").as_bytes(),
+        ))
     }))
     .await;
     let mut winners = Vec::new();
@@ -454,13 +596,18 @@ async fn log_trim_by_depth_reports_gap() {
     let c = hub.client(&signing_key(1)).await.unwrap();
     let t = TopicId::from("deep");
     for i in 1..=12u64 {
-        c.publish(log("deep", i, ExpectedHead::Unconditional, &[i as u8])).await.unwrap();
+        c.publish(log("deep", i, ExpectedHead::Unconditional, &[i as u8]))
+            .await
+            .unwrap();
     }
     let f = c.fetch(&t, 0, 100).await.unwrap();
     assert!(f.gap);
     assert_eq!(f.oldest, Some(8));
     assert_eq!(f.head, Some(12));
-    assert_eq!(f.messages.iter().map(|m| m.seq).collect::<Vec<_>>(), vec![8, 9, 10, 11, 12]);
+    assert_eq!(
+        f.messages.iter().map(|m| m.seq).collect::<Vec<_>>(),
+        vec![8, 9, 10, 11, 12]
+    );
     let f = c.fetch(&t, 7, 100).await.unwrap();
     assert!(!f.gap);
     assert_eq!(f.messages.len(), 5);
@@ -468,8 +615,13 @@ async fn log_trim_by_depth_reports_gap() {
     assert!(f.gap, "frame 7 after cursor 6 was trimmed");
     // The head survives trims and never decreases.
     assert_eq!(
-        c.publish(log("deep", 99, ExpectedHead::Seq(12), b"next")).await.unwrap(),
-        PublishOutcome::Accepted { seq: 13, head: Some(13) }
+        c.publish(log("deep", 99, ExpectedHead::Seq(12), b"next"))
+            .await
+            .unwrap(),
+        PublishOutcome::Accepted {
+            seq: 13,
+            head: Some(13)
+        }
     );
 }
 
@@ -518,14 +670,24 @@ async fn key_packages_claimed_exactly_once_under_concurrency() {
     .unwrap();
     let owner = hub.client(&signing_key(1)).await.unwrap();
     let pkgs: Vec<Vec<u8>> = (0..10u8).map(|i| vec![i; 8]).collect();
-    assert_eq!(owner.upload_key_packages(pkgs.clone(), None).await.unwrap(), 10);
+    assert_eq!(
+        owner.upload_key_packages(pkgs.clone(), None).await.unwrap(),
+        10
+    );
     assert_eq!(
         owner.upload_key_packages(vec![vec![1; 8]], None).await,
-        Err(ClientError::Hub(HubError::KeyPackagePoolFull { pool: 10, adding: 1, max: 10 }))
+        Err(ClientError::Hub(HubError::KeyPackagePoolFull {
+            pool: 10,
+            adding: 1,
+            max: 10
+        }))
     );
     assert!(matches!(
         owner.upload_key_packages(vec![vec![1; 65]], None).await,
-        Err(ClientError::Hub(HubError::BadKeyPackage { len: 65, max: 64 }))
+        Err(ClientError::Hub(HubError::BadKeyPackage {
+            len: 65,
+            max: 64
+        }))
     ));
     assert!(matches!(
         owner.upload_key_packages(vec![vec![]], None).await,
@@ -535,7 +697,8 @@ async fn key_packages_claimed_exactly_once_under_concurrency() {
 
     let claimers: Vec<_> = futures::future::join_all((2..=16).map(|i| hub.client_owned(i))).await;
     let dev = owner.device();
-    let results = futures::future::join_all(claimers.iter().map(|c| c.claim_key_package(dev))).await;
+    let results =
+        futures::future::join_all(claimers.iter().map(|c| c.claim_key_package(dev))).await;
     let mut got = Vec::new();
     let mut none = 0;
     for r in results {
@@ -550,7 +713,10 @@ async fn key_packages_claimed_exactly_once_under_concurrency() {
     assert_eq!(none, 5);
     assert_eq!(owner.key_package_status().await.unwrap(), (0, false));
 
-    owner.upload_key_packages(vec![], Some(vec![42; 8])).await.unwrap();
+    owner
+        .upload_key_packages(vec![], Some(vec![42; 8]))
+        .await
+        .unwrap();
     for c in claimers.iter().take(3) {
         assert_eq!(c.claim_key_package(dev).await.unwrap(), (vec![42; 8], true));
     }
@@ -566,6 +732,9 @@ async fn ping_and_requests_before_auth() {
     raw.send(&request(5, Request::Ping)).await;
     assert!(matches!(
         raw.recv().await,
-        Got::Frame(ServerFrame::Response { id: 5, result: Err(HubError::NotAuthenticated) })
+        Got::Frame(ServerFrame::Response {
+            id: 5,
+            result: Err(HubError::NotAuthenticated)
+        })
     ));
 }

@@ -141,7 +141,9 @@ impl DeviceIdentity {
 
 impl fmt::Debug for DeviceIdentity {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("DeviceIdentity").field("id", &self.id).finish_non_exhaustive()
+        f.debug_struct("DeviceIdentity")
+            .field("id", &self.id)
+            .finish_non_exhaustive()
     }
 }
 
@@ -213,7 +215,8 @@ mod tests {
         let mut batch = WriteBatch::new();
         batch.put(IDENTITY_KEY, vec![1u8; 5]);
         kv.apply(&batch).unwrap();
-        let err = DeviceIdentity::load_or_create(&kv, &mut ChaCha20Rng::seed_from_u64(3)).unwrap_err();
+        let err =
+            DeviceIdentity::load_or_create(&kv, &mut ChaCha20Rng::seed_from_u64(3)).unwrap_err();
         assert_eq!(err, IdentityError::Corrupt { len: 5 });
         assert_eq!(kv.get(IDENTITY_KEY).unwrap(), Some(vec![1u8; 5]));
     }
@@ -222,9 +225,15 @@ mod tests {
     fn mls_views_carry_the_same_key() {
         let identity = DeviceIdentity::from_signing_key(SigningKey::from_bytes(&[9u8; 32]));
         let id = identity.id();
-        assert_eq!(id.to_string(), hex::encode(identity.verifying_key().to_bytes()));
+        assert_eq!(
+            id.to_string(),
+            hex::encode(identity.verifying_key().to_bytes())
+        );
         assert_eq!(identity.signature_key_pair().public(), id.as_bytes());
-        assert_eq!(identity.signature_key_pair().signature_scheme(), SignatureScheme::ED25519);
+        assert_eq!(
+            identity.signature_key_pair().signature_scheme(),
+            SignatureScheme::ED25519
+        );
 
         let cwk = identity.credential_with_key();
         assert_eq!(device_id_of(&cwk.credential), Some(id));

@@ -32,7 +32,8 @@
 //! - `clear_proposal_queue` deletes every queued proposal of the group and the
 //!   queue itself (OpenMLS's memory store deletes neither);
 //! - `delete_own_leaf_nodes` also deletes the update key pairs of the deleted
-//!   leaves, which OpenMLS 0.9 otherwise never deletes;
+//!   leaves, which OpenMLS 0.9 leaves behind when a commit settles the epoch
+//!   without the update proposal or the group is deleted;
 //! - [`StagedStorage::purge_group`] sweeps whatever a deleted group left.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -286,9 +287,11 @@ impl StagedStorage {
     /// pair of every leaf in it; returns how many existing keys that covers.
     ///
     /// OpenMLS stores an update leaf's private key on its own when the update
-    /// is proposed, reads it while staging the commit that settles the
-    /// proposal, and then deletes only the leaf list: the key itself would
-    /// stay forever. Once the list goes, no reader of the key is left.
+    /// is proposed. It deletes the key when a commit takes the proposal, but a
+    /// commit that settles the epoch without it, or `MlsGroup::delete`,
+    /// deletes only the leaf list, and the key would stay forever. The list is
+    /// the key's only reader (OpenMLS reads it while staging a commit, before
+    /// the merge deletes the list), so the key goes with it.
     fn delete_leaves_and_their_keys(&self, gid: &[u8]) -> Result<usize, StorageError> {
         let list_key = storage_key(OWN_LEAF_NODES, gid);
         let mut overlay = self.lock();
@@ -364,7 +367,11 @@ impl StagedStorage {
         Ok(())
     }
 
-    fn read<V: DeserializeOwned>(&self, label: &[u8], key: &[u8]) -> Result<Option<V>, StorageError> {
+    fn read<V: DeserializeOwned>(
+        &self,
+        label: &[u8],
+        key: &[u8],
+    ) -> Result<Option<V>, StorageError> {
         let key = storage_key(label, key);
         match self.get_raw(&key)? {
             Some(bytes) => decode(&key, &bytes).map(Some),
@@ -372,7 +379,11 @@ impl StagedStorage {
         }
     }
 
-    fn read_list<V: DeserializeOwned>(&self, label: &[u8], key: &[u8]) -> Result<Vec<V>, StorageError> {
+    fn read_list<V: DeserializeOwned>(
+        &self,
+        label: &[u8],
+        key: &[u8],
+    ) -> Result<Vec<V>, StorageError> {
         self.read_list_at(&storage_key(label, key))
     }
 
@@ -382,7 +393,12 @@ impl StagedStorage {
 
     /// Append `item` to the list under (`label`, `key`) unless an equal item
     /// is already there.
-    fn list_push(&self, label: &[u8], key: &[u8], item: &impl Serialize) -> Result<(), StorageError> {
+    fn list_push(
+        &self,
+        label: &[u8],
+        key: &[u8],
+        item: &impl Serialize,
+    ) -> Result<(), StorageError> {
         let key = storage_key(label, key);
         let item = to_json_value(item)?;
         let mut overlay = self.lock();
@@ -397,7 +413,12 @@ impl StagedStorage {
 
     /// Remove every item equal to `item` from the list under (`label`,
     /// `key`); an emptied list is deleted.
-    fn list_remove(&self, label: &[u8], key: &[u8], item: &impl Serialize) -> Result<(), StorageError> {
+    fn list_remove(
+        &self,
+        label: &[u8],
+        key: &[u8],
+        item: &impl Serialize,
+    ) -> Result<(), StorageError> {
         let key = storage_key(label, key);
         let item = to_json_value(item)?;
         let mut overlay = self.lock();
@@ -484,7 +505,10 @@ fn decode<V: DeserializeOwned>(key: &[u8], bytes: &[u8]) -> Result<V, StorageErr
     })
 }
 
-fn decode_list<V: DeserializeOwned>(key: &[u8], bytes: Option<Vec<u8>>) -> Result<Vec<V>, StorageError> {
+fn decode_list<V: DeserializeOwned>(
+    key: &[u8],
+    bytes: Option<Vec<u8>>,
+) -> Result<Vec<V>, StorageError> {
     match bytes {
         Some(bytes) => decode(key, &bytes),
         None => Ok(Vec::new()),
@@ -528,11 +552,18 @@ impl StorageProvider<CURRENT_VERSION> for StagedStorage {
         proposal_ref: &ProposalRef,
         proposal: &QueuedProposal,
     ) -> Result<(), Self::Error> {
-        self.put(QUEUED_PROPOSAL, &proposal_key(group_id, proposal_ref)?, proposal)?;
+        self.put(
+            QUEUED_PROPOSAL,
+            &proposal_key(group_id, proposal_ref)?,
+            proposal,
+        )?;
         self.list_push(PROPOSAL_QUEUE_REFS, &group_key(group_id)?, proposal_ref)
     }
 
-    fn write_tree<GroupId: traits::GroupId<CURRENT_VERSION>, TreeSync: traits::TreeSync<CURRENT_VERSION>>(
+    fn write_tree<
+        GroupId: traits::GroupId<CURRENT_VERSION>,
+        TreeSync: traits::TreeSync<CURRENT_VERSION>,
+    >(
         &self,
         group_id: &GroupId,
         tree: &TreeSync,
@@ -548,7 +579,11 @@ impl StorageProvider<CURRENT_VERSION> for StagedStorage {
         group_id: &GroupId,
         interim_transcript_hash: &InterimTranscriptHash,
     ) -> Result<(), Self::Error> {
-        self.put(INTERIM_TRANSCRIPT_HASH, &group_key(group_id)?, interim_transcript_hash)
+        self.put(
+            INTERIM_TRANSCRIPT_HASH,
+            &group_key(group_id)?,
+            interim_transcript_hash,
+        )
     }
 
     fn write_context<
@@ -603,7 +638,11 @@ impl StorageProvider<CURRENT_VERSION> for StagedStorage {
         group_id: &GroupId,
         resumption_psk_store: &ResumptionPskStore,
     ) -> Result<(), Self::Error> {
-        self.put(RESUMPTION_PSK_STORE, &group_key(group_id)?, resumption_psk_store)
+        self.put(
+            RESUMPTION_PSK_STORE,
+            &group_key(group_id)?,
+            resumption_psk_store,
+        )
     }
 
     fn write_own_leaf_index<
@@ -653,7 +692,11 @@ impl StorageProvider<CURRENT_VERSION> for StagedStorage {
         public_key: &EncryptionKey,
         key_pair: &HpkeKeyPair,
     ) -> Result<(), Self::Error> {
-        self.put(ENCRYPTION_KEY_PAIR, &encode("encryption key", public_key)?, key_pair)
+        self.put(
+            ENCRYPTION_KEY_PAIR,
+            &encode("encryption key", public_key)?,
+            key_pair,
+        )
     }
 
     fn write_encryption_epoch_key_pairs<
@@ -682,10 +725,17 @@ impl StorageProvider<CURRENT_VERSION> for StagedStorage {
         hash_ref: &HashReference,
         key_package: &KeyPackage,
     ) -> Result<(), Self::Error> {
-        self.put(KEY_PACKAGE, &encode("key package ref", hash_ref)?, key_package)
+        self.put(
+            KEY_PACKAGE,
+            &encode("key package ref", hash_ref)?,
+            key_package,
+        )
     }
 
-    fn write_psk<PskId: traits::PskId<CURRENT_VERSION>, PskBundle: traits::PskBundle<CURRENT_VERSION>>(
+    fn write_psk<
+        PskId: traits::PskId<CURRENT_VERSION>,
+        PskBundle: traits::PskBundle<CURRENT_VERSION>,
+    >(
         &self,
         psk_id: &PskId,
         psk: &PskBundle,
@@ -705,7 +755,10 @@ impl StorageProvider<CURRENT_VERSION> for StagedStorage {
         self.read(JOIN_CONFIG, &group_key(group_id)?)
     }
 
-    fn own_leaf_nodes<GroupId: traits::GroupId<CURRENT_VERSION>, LeafNode: traits::LeafNode<CURRENT_VERSION>>(
+    fn own_leaf_nodes<
+        GroupId: traits::GroupId<CURRENT_VERSION>,
+        LeafNode: traits::LeafNode<CURRENT_VERSION>,
+    >(
         &self,
         group_id: &GroupId,
     ) -> Result<Vec<LeafNode>, Self::Error> {
@@ -746,7 +799,10 @@ impl StorageProvider<CURRENT_VERSION> for StagedStorage {
         Ok(out)
     }
 
-    fn tree<GroupId: traits::GroupId<CURRENT_VERSION>, TreeSync: traits::TreeSync<CURRENT_VERSION>>(
+    fn tree<
+        GroupId: traits::GroupId<CURRENT_VERSION>,
+        TreeSync: traits::TreeSync<CURRENT_VERSION>,
+    >(
         &self,
         group_id: &GroupId,
     ) -> Result<Option<TreeSync>, Self::Error> {
@@ -783,7 +839,10 @@ impl StorageProvider<CURRENT_VERSION> for StagedStorage {
         self.read(CONFIRMATION_TAG, &group_key(group_id)?)
     }
 
-    fn group_state<GroupState: traits::GroupState<CURRENT_VERSION>, GroupId: traits::GroupId<CURRENT_VERSION>>(
+    fn group_state<
+        GroupState: traits::GroupState<CURRENT_VERSION>,
+        GroupId: traits::GroupId<CURRENT_VERSION>,
+    >(
         &self,
         group_id: &GroupId,
     ) -> Result<Option<GroupState>, Self::Error> {
@@ -839,7 +898,10 @@ impl StorageProvider<CURRENT_VERSION> for StagedStorage {
         &self,
         public_key: &SignaturePublicKey,
     ) -> Result<Option<SignatureKeyPair>, Self::Error> {
-        self.read(SIGNATURE_KEY_PAIR, &encode("signature public key", public_key)?)
+        self.read(
+            SIGNATURE_KEY_PAIR,
+            &encode("signature public key", public_key)?,
+        )
     }
 
     fn encryption_key_pair<
@@ -862,7 +924,10 @@ impl StorageProvider<CURRENT_VERSION> for StagedStorage {
         epoch: &EpochKey,
         leaf_index: u32,
     ) -> Result<Vec<HpkeKeyPair>, Self::Error> {
-        self.read_list(EPOCH_KEY_PAIRS, &epoch_key_pairs_key(group_id, epoch, leaf_index)?)
+        self.read_list(
+            EPOCH_KEY_PAIRS,
+            &epoch_key_pairs_key(group_id, epoch, leaf_index)?,
+        )
     }
 
     fn key_package<
@@ -911,7 +976,10 @@ impl StorageProvider<CURRENT_VERSION> for StagedStorage {
         self.delete(JOIN_CONFIG, &group_key(group_id)?)
     }
 
-    fn delete_tree<GroupId: traits::GroupId<CURRENT_VERSION>>(&self, group_id: &GroupId) -> Result<(), Self::Error> {
+    fn delete_tree<GroupId: traits::GroupId<CURRENT_VERSION>>(
+        &self,
+        group_id: &GroupId,
+    ) -> Result<(), Self::Error> {
         self.delete(TREE, &group_key(group_id)?)
     }
 
@@ -929,7 +997,10 @@ impl StorageProvider<CURRENT_VERSION> for StagedStorage {
         self.delete(GROUP_STATE, &group_key(group_id)?)
     }
 
-    fn delete_context<GroupId: traits::GroupId<CURRENT_VERSION>>(&self, group_id: &GroupId) -> Result<(), Self::Error> {
+    fn delete_context<GroupId: traits::GroupId<CURRENT_VERSION>>(
+        &self,
+        group_id: &GroupId,
+    ) -> Result<(), Self::Error> {
         self.delete(GROUP_CONTEXT, &group_key(group_id)?)
     }
 
@@ -991,11 +1062,16 @@ impl StorageProvider<CURRENT_VERSION> for StagedStorage {
 
     // --- crypto objects: deleters ---
 
-    fn delete_signature_key_pair<SignaturePublicKey: traits::SignaturePublicKey<CURRENT_VERSION>>(
+    fn delete_signature_key_pair<
+        SignaturePublicKey: traits::SignaturePublicKey<CURRENT_VERSION>,
+    >(
         &self,
         public_key: &SignaturePublicKey,
     ) -> Result<(), Self::Error> {
-        self.delete(SIGNATURE_KEY_PAIR, &encode("signature public key", public_key)?)
+        self.delete(
+            SIGNATURE_KEY_PAIR,
+            &encode("signature public key", public_key)?,
+        )
     }
 
     fn delete_encryption_key_pair<EncryptionKey: traits::EncryptionKey<CURRENT_VERSION>>(
@@ -1014,7 +1090,10 @@ impl StorageProvider<CURRENT_VERSION> for StagedStorage {
         epoch: &EpochKey,
         leaf_index: u32,
     ) -> Result<(), Self::Error> {
-        self.delete(EPOCH_KEY_PAIRS, &epoch_key_pairs_key(group_id, epoch, leaf_index)?)
+        self.delete(
+            EPOCH_KEY_PAIRS,
+            &epoch_key_pairs_key(group_id, epoch, leaf_index)?,
+        )
     }
 
     fn delete_key_package<KeyPackageRef: traits::HashReference<CURRENT_VERSION>>(
@@ -1024,7 +1103,10 @@ impl StorageProvider<CURRENT_VERSION> for StagedStorage {
         self.delete(KEY_PACKAGE, &encode("key package ref", hash_ref)?)
     }
 
-    fn delete_psk<PskKey: traits::PskId<CURRENT_VERSION>>(&self, psk_id: &PskKey) -> Result<(), Self::Error> {
+    fn delete_psk<PskKey: traits::PskId<CURRENT_VERSION>>(
+        &self,
+        psk_id: &PskKey,
+    ) -> Result<(), Self::Error> {
         self.delete(PSK, &encode("psk id", psk_id)?)
     }
 }
@@ -1132,7 +1214,8 @@ mod tests {
             .unwrap();
         s.write_encryption_key_pair(&K("enc".into()), &V("enckp".into()))
             .unwrap();
-        s.write_key_package(&K("kp".into()), &V("kpv".into())).unwrap();
+        s.write_key_package(&K("kp".into()), &V("kpv".into()))
+            .unwrap();
         s.write_psk(&K("psk".into()), &V("pskv".into())).unwrap();
     }
 
@@ -1147,12 +1230,18 @@ mod tests {
             }
         };
         assert_eq!(s.mls_group_join_config(g).unwrap(), some("join"));
-        assert_eq!(s.own_leaf_nodes::<_, V>(g).unwrap(), list(&["leaf1", "leaf2"]));
+        assert_eq!(
+            s.own_leaf_nodes::<_, V>(g).unwrap(),
+            list(&["leaf1", "leaf2"])
+        );
         let refs: Vec<PRef> = s.queued_proposal_refs(g).unwrap();
         let props: Vec<(PRef, V)> = s.queued_proposals(g).unwrap();
         if present {
             assert_eq!(refs, vec![PRef(1), PRef(2)]);
-            assert_eq!(props, vec![(PRef(1), v("prop1", g)), (PRef(2), v("prop2", g))]);
+            assert_eq!(
+                props,
+                vec![(PRef(1), v("prop1", g)), (PRef(2), v("prop2", g))]
+            );
         } else {
             assert!(refs.is_empty() && props.is_empty());
         }
@@ -1173,8 +1262,14 @@ mod tests {
 
     fn check_crypto(s: &StagedStorage, present: bool) {
         let some = |x: &str| present.then(|| V(x.into()));
-        assert_eq!(s.signature_key_pair(&K("sig".into())).unwrap(), some("sigkp"));
-        assert_eq!(s.encryption_key_pair(&K("enc".into())).unwrap(), some("enckp"));
+        assert_eq!(
+            s.signature_key_pair(&K("sig".into())).unwrap(),
+            some("sigkp")
+        );
+        assert_eq!(
+            s.encryption_key_pair(&K("enc".into())).unwrap(),
+            some("enckp")
+        );
         assert_eq!(s.key_package(&K("kp".into())).unwrap(), some("kpv"));
         assert_eq!(s.psk(&K("psk".into())).unwrap(), some("pskv"));
     }
@@ -1194,8 +1289,10 @@ mod tests {
         s.delete_all_resumption_psk_secrets(g).unwrap();
         s.delete_own_leaf_index(g).unwrap();
         s.delete_group_epoch_secrets(g).unwrap();
-        s.delete_encryption_epoch_key_pairs(g, &Epoch(5), 10).unwrap();
-        s.delete_encryption_epoch_key_pairs(g, &Epoch(51), 0).unwrap();
+        s.delete_encryption_epoch_key_pairs(g, &Epoch(5), 10)
+            .unwrap();
+        s.delete_encryption_epoch_key_pairs(g, &Epoch(51), 0)
+            .unwrap();
         s.delete_signature_key_pair(&K("sig".into())).unwrap();
         s.delete_encryption_key_pair(&K("enc".into())).unwrap();
         s.delete_key_package(&K("kp".into())).unwrap();
@@ -1299,12 +1396,17 @@ mod tests {
         for i in 0..3 {
             s.queue_proposal(&g, &PRef(i), &V(format!("p{i}"))).unwrap();
         }
-        s.queue_proposal(&other, &PRef(9), &V("keep".into())).unwrap();
+        s.queue_proposal(&other, &PRef(9), &V("keep".into()))
+            .unwrap();
         commit(&kv, s);
         // A body whose ref was lost (written by an older bug) goes too.
         let s = StagedStorage::new(kv.clone());
-        s.put(QUEUED_PROPOSAL, &proposal_key(&g, &PRef(77)).unwrap(), &V("orphan".into()))
-            .unwrap();
+        s.put(
+            QUEUED_PROPOSAL,
+            &proposal_key(&g, &PRef(77)).unwrap(),
+            &V("orphan".into()),
+        )
+        .unwrap();
         commit(&kv, s);
 
         let s = StagedStorage::new(kv.clone());
@@ -1440,12 +1542,24 @@ mod tests {
         let kv: Arc<dyn KvStore> = Arc::new(MemKv::new());
         let g = Gid(vec![9]);
         let mut b = WriteBatch::new();
-        b.put(storage_key(TREE, &group_key(&g).unwrap()), b"{not json".to_vec());
-        b.put(storage_key(OWN_LEAF_NODES, &group_key(&g).unwrap()), b"7".to_vec());
+        b.put(
+            storage_key(TREE, &group_key(&g).unwrap()),
+            b"{not json".to_vec(),
+        );
+        b.put(
+            storage_key(OWN_LEAF_NODES, &group_key(&g).unwrap()),
+            b"7".to_vec(),
+        );
         kv.apply(&b).unwrap();
         let s = StagedStorage::new(kv);
-        assert!(matches!(s.tree::<_, V>(&g), Err(StorageError::Corrupt { .. })));
-        assert!(matches!(s.own_leaf_nodes::<_, V>(&g), Err(StorageError::Corrupt { .. })));
+        assert!(matches!(
+            s.tree::<_, V>(&g),
+            Err(StorageError::Corrupt { .. })
+        ));
+        assert!(matches!(
+            s.own_leaf_nodes::<_, V>(&g),
+            Err(StorageError::Corrupt { .. })
+        ));
         // Deleting an unreadable list still works.
         s.delete_own_leaf_nodes(&g).unwrap();
         assert!(s.own_leaf_nodes::<_, V>(&g).unwrap().is_empty());

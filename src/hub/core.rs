@@ -231,7 +231,9 @@ impl HubCore {
             return Err(HubError::Conflict { seq: rec.seq });
         }
         if p.replay_only {
-            self.counters.history_missing.fetch_add(1, Ordering::Relaxed);
+            self.counters
+                .history_missing
+                .fetch_add(1, Ordering::Relaxed);
             return answer(PublishOutcome::HistoryMissing);
         }
 
@@ -244,7 +246,9 @@ impl HubCore {
             ExpectedHead::Seq(s) => meta.head == Some(s),
         };
         if !cas_ok {
-            self.counters.head_mismatches.fetch_add(1, Ordering::Relaxed);
+            self.counters
+                .head_mismatches
+                .fetch_add(1, Ordering::Relaxed);
             return answer(PublishOutcome::HeadMismatch { current: meta.head });
         }
 
@@ -254,8 +258,14 @@ impl HubCore {
         meta.last_seq = seq;
         let mut batch = WriteBatch::new();
         let record_expiry = now.saturating_add(self.limits.max_retention.as_millis() as u64);
-        batch.put(record_key.clone(), l::encode(&PublishRecord { seq, digest }));
-        batch.put(l::expiry(record_expiry, ExpiryKind::PublishRecord, &record_key), vec![]);
+        batch.put(
+            record_key.clone(),
+            l::encode(&PublishRecord { seq, digest }),
+        );
+        batch.put(
+            l::expiry(record_expiry, ExpiryKind::PublishRecord, &record_key),
+            vec![],
+        );
 
         let mut recipients = Vec::new();
         for (k, v) in self
@@ -263,7 +273,10 @@ impl HubCore {
             .scan_prefix(&l::subscriber_prefix(&p.topic), usize::MAX)
             .map_err(internal)?
         {
-            let Some(dev) = k.get(k.len().saturating_sub(32)..).and_then(|b| <[u8; 32]>::try_from(b).ok()) else {
+            let Some(dev) = k
+                .get(k.len().saturating_sub(32)..)
+                .and_then(|b| <[u8; 32]>::try_from(b).ok())
+            else {
                 continue;
             };
             let dev = DeviceId(dev);
@@ -369,13 +382,17 @@ impl HubCore {
                 let Some((_, seq)) = l::parse_frame_key(k) else {
                     continue;
                 };
-                let keep = removed >= count
-                    || match expired_at {
-                        Some(at) => l::decode::<StoredFrame>(k, v).map_err(internal)?.expires_at_ms > at,
-                        None => false,
-                    };
+                let expires = l::decode::<StoredFrame>(k, v)
+                    .map_err(internal)?
+                    .expires_at_ms;
+                let keep = removed >= count || expired_at.is_some_and(|at| expires > at);
                 if keep {
                     new_oldest = Some(seq);
+                    // Frames behind this one may have expired already and had
+                    // their expiry entries spent while this one blocked them:
+                    // the new oldest frame carries the trigger that resumes
+                    // the walk (a repeated put of the same key is harmless).
+                    batch.put(l::expiry(expires, ExpiryKind::LogFrame, k), vec![]);
                     break 'walk;
                 }
                 batch.delete(k.clone());
@@ -403,7 +420,12 @@ impl HubCore {
     ///
     /// # Cancel safety
     /// Cancel safe: it changes nothing.
-    pub async fn fetch(&self, topic: &TopicId, after: u64, limit: u32) -> Result<FetchResult, HubError> {
+    pub async fn fetch(
+        &self,
+        topic: &TopicId,
+        after: u64,
+        limit: u32,
+    ) -> Result<FetchResult, HubError> {
         self.check_topic(topic)?;
         if limit == 0 || limit > self.limits.max_fetch {
             return Err(HubError::BadFetchLimit {
@@ -456,7 +478,12 @@ impl HubCore {
     /// # Errors
     /// `BadTopic`, `RetentionTooLong`, `TooManySubscriptions`, `RateLimited`,
     /// `Internal`.
-    pub fn subscribe(&self, device: DeviceId, topic: &TopicId, retention_secs: Option<u64>) -> Result<Durable<()>, HubError> {
+    pub fn subscribe(
+        &self,
+        device: DeviceId,
+        topic: &TopicId,
+        retention_secs: Option<u64>,
+    ) -> Result<Durable<()>, HubError> {
         self.check_topic(topic)?;
         let retention_ms = self.retention_ms(retention_secs)?;
         self.rate.check(&device, None)?;
@@ -490,7 +517,11 @@ impl HubCore {
     ///
     /// # Errors
     /// `BadTopic`, `Internal`.
-    pub fn unsubscribe(&self, device: DeviceId, topic: &TopicId) -> Result<Durable<bool>, HubError> {
+    pub fn unsubscribe(
+        &self,
+        device: DeviceId,
+        topic: &TopicId,
+    ) -> Result<Durable<bool>, HubError> {
         self.check_topic(topic)?;
         let _g = self.lock();
         let skey = l::subscriber(topic, &device);
@@ -519,7 +550,12 @@ impl HubCore {
     ///
     /// # Cancel safety
     /// Cancel safe: at worst a dangling reference is dropped later.
-    pub async fn deliveries(&self, device: DeviceId, after: u64, limit: usize) -> Result<DeliveryBatch, HubError> {
+    pub async fn deliveries(
+        &self,
+        device: DeviceId,
+        after: u64,
+        limit: usize,
+    ) -> Result<DeliveryBatch, HubError> {
         let (last, gen) = {
             let _g = self.lock();
             let m: DeviceMeta = self.read(&l::device_meta(&device))?.unwrap_or_default();
@@ -536,7 +572,10 @@ impl HubCore {
         self.durable(gen).await?;
         let start = l::delivery(&device, after + 1);
         let end = l::delivery(&device, last + 1);
-        let rows = self.store.range(&start, Some(&end), limit).map_err(internal)?;
+        let rows = self
+            .store
+            .range(&start, Some(&end), limit)
+            .map_err(internal)?;
         out.more = rows.len() == limit;
         let mut dangling = Vec::new();
         for (k, v) in rows {
@@ -615,7 +654,10 @@ impl HubCore {
             }
         }
         let gen = self.apply(&batch)?;
-        Ok(Durable { value: removed, gen })
+        Ok(Durable {
+            value: removed,
+            gen,
+        })
     }
 
     /// Count one recipient of a mailbox frame as done, staging in `frames`.
@@ -688,7 +730,11 @@ impl HubCore {
     ///
     /// # Errors
     /// `NoKeyPackage`, `RateLimited`, `Internal`.
-    pub fn claim_key_package(&self, claimer: DeviceId, device: DeviceId) -> Result<Durable<(Vec<u8>, bool)>, HubError> {
+    pub fn claim_key_package(
+        &self,
+        claimer: DeviceId,
+        device: DeviceId,
+    ) -> Result<Durable<(Vec<u8>, bool)>, HubError> {
         self.rate.check(&claimer, None)?;
         let _g = self.lock();
         let mkey = l::key_package_meta(&device);
@@ -726,7 +772,9 @@ impl HubCore {
     /// `Internal`.
     pub fn key_package_status(&self, device: DeviceId) -> Result<Durable<(u32, bool)>, HubError> {
         let _g = self.lock();
-        let meta: KeyPackageMeta = self.read(&l::key_package_meta(&device))?.unwrap_or_default();
+        let meta: KeyPackageMeta = self
+            .read(&l::key_package_meta(&device))?
+            .unwrap_or_default();
         Ok(Durable {
             value: (meta.pool, meta.last_resort.is_some()),
             gen: self.commit.current(),
@@ -763,7 +811,9 @@ impl HubCore {
                 };
                 match kind {
                     ExpiryKind::PublishRecord => {
-                        if deleted.insert(target.to_vec()) && self.store.get(target).map_err(internal)?.is_some() {
+                        if deleted.insert(target.to_vec())
+                            && self.store.get(target).map_err(internal)?.is_some()
+                        {
                             batch.delete(target.to_vec());
                             report.publish_records += 1;
                         }
@@ -776,7 +826,10 @@ impl HubCore {
                             batch.delete(target.to_vec());
                             report.deliveries += 1;
                             if r.class == RetentionClass::Mailbox {
-                                self.release_mailbox(&l::mailbox_frame(&r.topic, r.seq), &mut frames)?;
+                                self.release_mailbox(
+                                    &l::mailbox_frame(&r.topic, r.seq),
+                                    &mut frames,
+                                )?;
                             }
                         }
                     }
@@ -798,8 +851,10 @@ impl HubCore {
                         if metas.contains_key(&topic) {
                             continue;
                         }
-                        let mut meta: TopicMeta = self.read(&l::topic_meta(&topic))?.unwrap_or_default();
-                        let n = self.trim_prefix(&topic, &mut meta, u64::MAX, Some(now), &mut batch)?;
+                        let mut meta: TopicMeta =
+                            self.read(&l::topic_meta(&topic))?.unwrap_or_default();
+                        let n =
+                            self.trim_prefix(&topic, &mut meta, u64::MAX, Some(now), &mut batch)?;
                         report.log_frames += n;
                         metas.insert(topic, meta);
                     }

@@ -289,7 +289,10 @@ mod tests {
         assert_eq!(parse_delivery(&delivery(&d, 5)), Some((d, 5)));
         let target = log_frame(&t, 9);
         let e = expiry(1234, ExpiryKind::LogFrame, &target);
-        assert_eq!(parse_expiry(&e), Some((ExpiryKind::LogFrame, target.as_slice())));
+        assert_eq!(
+            parse_expiry(&e),
+            Some((ExpiryKind::LogFrame, target.as_slice()))
+        );
         assert!(e < expiry_end(1234) && e >= expiry_start());
         assert!(e > expiry_end(1233));
     }

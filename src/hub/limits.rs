@@ -98,7 +98,10 @@ impl Limits {
     /// A sentence naming the limit that makes no sense.
     pub fn validate(&self) -> Result<(), String> {
         if self.max_topic == 0 || self.max_topic > u16::MAX as usize {
-            return Err(format!("max_topic must be 1..=65535, not {}", self.max_topic));
+            return Err(format!(
+                "max_topic must be 1..=65535, not {}",
+                self.max_topic
+            ));
         }
         if self.default_retention > self.max_retention {
             return Err("default retention exceeds the maximum retention".into());
@@ -142,7 +145,10 @@ impl<K: Hash + Eq + Clone> Buckets<K> {
     /// Milliseconds until a token is available, or 0 when one is now.
     fn wait_ms(&mut self, k: &K, now: Instant) -> u64 {
         let burst = self.rate.burst;
-        let mut b = self.map.remove(k).unwrap_or(Bucket { tokens: burst, at: now });
+        let mut b = self.map.remove(k).unwrap_or(Bucket {
+            tokens: burst,
+            at: now,
+        });
         self.refill(&mut b, now);
         let wait = if b.tokens >= 1.0 {
             0

@@ -10,6 +10,9 @@ mod layout;
 mod limits;
 mod server;
 
+#[cfg(test)]
+mod model_tests;
+
 pub use self::core::{DeliveryBatch, Durable, HubCore, Published, PurgeReport};
 pub use self::limits::{Limits, Rate};
 
@@ -281,7 +284,11 @@ impl Hub {
         self.shared.tasks.wait().await;
         let gc = self.shared.core.group_commit();
         gc.flush_now(self.shared.core.store()).await;
-        let flusher = self.flusher.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let flusher = self
+            .flusher
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
         if let Some(f) = flusher {
             f.abort();
             // Wait until the task is gone, so its handle on the store is too.

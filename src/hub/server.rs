@@ -7,6 +7,7 @@
 //! them, and many of them share one flush.
 
 use super::{HubShared, Session};
+use crate::transport::ws_config;
 use crate::transport::BoxStream;
 use crate::wire::{
     auth_message, Auth, AuthOk, Challenge, ClientFrame, DecodeError, DeviceId, HubError, Request,
@@ -20,7 +21,6 @@ use std::time::Duration;
 use tokio::sync::{mpsc, Notify, Semaphore};
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::protocol::CloseFrame;
-use crate::transport::ws_config;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_util::sync::CancellationToken;
 
@@ -139,7 +139,8 @@ async fn serve_connection(shared: &Arc<HubShared>, conn: u64, stream: BoxStream)
                 Ok(ClientFrame::Auth(_)) => ctx.send_error(HubError::AlreadyAuthenticated).await,
                 Err(DecodeError::UnknownOperation { id, op }) => {
                     ctx.bad_frame();
-                    ctx.respond(id, Err(HubError::UnknownOperation { op })).await;
+                    ctx.respond(id, Err(HubError::UnknownOperation { op }))
+                        .await;
                 }
                 Err(e) => {
                     ctx.bad_frame();
@@ -175,7 +176,8 @@ async fn serve_connection(shared: &Arc<HubShared>, conn: u64, stream: BoxStream)
 /// answered `NotAuthenticated`; a wrong answer closes the connection.
 async fn authenticate(
     shared: &Arc<HubShared>,
-    source: &mut (impl futures::Stream<Item = Result<Message, tokio_tungstenite::tungstenite::Error>> + Unpin),
+    source: &mut (impl futures::Stream<Item = Result<Message, tokio_tungstenite::tungstenite::Error>>
+              + Unpin),
     tx: &mpsc::Sender<Message>,
 ) -> Option<DeviceId> {
     let max_frame = shared.config.limits.max_frame();
@@ -188,7 +190,9 @@ async fn authenticate(
         hub_url: shared.config.url.clone(),
         expires_at_ms,
     };
-    tx.send(binary(&ServerFrame::Challenge(challenge))).await.ok()?;
+    tx.send(binary(&ServerFrame::Challenge(challenge)))
+        .await
+        .ok()?;
     // The connection outlives the challenge a little, so a late answer is
     // told `ChallengeExpired` rather than cut off without a reason.
     let deadline = tokio::time::Instant::now() + shared.config.challenge_ttl * 2;
@@ -215,19 +219,21 @@ async fn authenticate(
                         return Some(auth.device);
                     }
                     Err(e) => {
-                        shared.counters.auth_failures.fetch_add(1, Ordering::Relaxed);
+                        shared
+                            .counters
+                            .auth_failures
+                            .fetch_add(1, Ordering::Relaxed);
                         tracing::debug!(error = %e, "authentication refused");
                         let _ = tx.send(binary(&ServerFrame::Error(e.clone()))).await;
                         let _ = tx.send(close(CloseCode::Policy, &e.to_string())).await;
                         return None;
                     }
                 },
-                Ok(ClientFrame::Request { id, .. }) | Err(DecodeError::UnknownOperation { id, .. }) => {
-                    ServerFrame::Response {
-                        id,
-                        result: Err(HubError::NotAuthenticated),
-                    }
-                }
+                Ok(ClientFrame::Request { id, .. })
+                | Err(DecodeError::UnknownOperation { id, .. }) => ServerFrame::Response {
+                    id,
+                    result: Err(HubError::NotAuthenticated),
+                },
                 Err(e) => ServerFrame::Error(e.into()),
             },
             Some(Ok(Message::Text(_))) => ServerFrame::Error(HubError::TextFrame),
@@ -240,7 +246,12 @@ async fn authenticate(
 }
 
 /// Check an answer to this connection's challenge; returns the agreed version.
-fn verify(shared: &HubShared, auth: &Auth, nonce: &[u8; 32], expires_at_ms: u64) -> Result<u16, HubError> {
+fn verify(
+    shared: &HubShared,
+    auth: &Auth,
+    nonce: &[u8; 32],
+    expires_at_ms: u64,
+) -> Result<u16, HubError> {
     if !(MIN_PROTOCOL_VERSION..=PROTOCOL_VERSION).contains(&auth.version) {
         return Err(HubError::UnsupportedVersion {
             requested: auth.version,
@@ -269,8 +280,11 @@ fn verify(shared: &HubShared, auth: &Auth, nonce: &[u8; 32], expires_at_ms: u64)
     }
     let key = VerifyingKey::from_bytes(&auth.device.0).map_err(|_| HubError::BadSignature)?;
     let sig = Signature::from_slice(&auth.signature).map_err(|_| HubError::BadSignature)?;
-    key.verify_strict(&auth_message(&auth.nonce, &auth.hub_url, auth.expires_at_ms), &sig)
-        .map_err(|_| HubError::BadSignature)?;
+    key.verify_strict(
+        &auth_message(&auth.nonce, &auth.hub_url, auth.expires_at_ms),
+        &sig,
+    )
+    .map_err(|_| HubError::BadSignature)?;
     // Consume the challenge. Used nonces are remembered until they expire;
     // after that the expiry check refuses them anyway.
     let mut used = shared.used_nonces.lock().unwrap_or_else(|p| p.into_inner());
@@ -292,7 +306,10 @@ struct Conn {
 
 impl Conn {
     fn bad_frame(&self) {
-        self.shared.counters.bad_frames.fetch_add(1, Ordering::Relaxed);
+        self.shared
+            .counters
+            .bad_frames
+            .fetch_add(1, Ordering::Relaxed);
     }
 
     async fn send_error(&self, e: HubError) {
@@ -300,11 +317,20 @@ impl Conn {
     }
 
     async fn respond(&self, id: u64, result: Result<Response, HubError>) {
-        let _ = self.tx.send(binary(&ServerFrame::Response { id, result })).await;
+        let _ = self
+            .tx
+            .send(binary(&ServerFrame::Response { id, result }))
+            .await;
     }
 
     /// Answer `id` once generation `gen` is durable, on a task of its own.
-    async fn respond_when_durable(&self, id: u64, gen: u64, response: Response, wake: Vec<DeviceId>) {
+    async fn respond_when_durable(
+        &self,
+        id: u64,
+        gen: u64,
+        response: Response,
+        wake: Vec<DeviceId>,
+    ) {
         let Ok(permit) = self.in_flight.clone().acquire_owned().await else {
             return;
         };
@@ -327,18 +353,27 @@ impl Conn {
             Request::Publish(p) => match core.publish(d, p) {
                 Ok(r) => {
                     let out = Response::Published(r.value.outcome);
-                    self.respond_when_durable(id, r.gen, out, r.value.recipients).await;
+                    self.respond_when_durable(id, r.gen, out, r.value.recipients)
+                        .await;
                 }
                 Err(e) => self.respond(id, Err(e)).await,
             },
-            Request::Fetch { topic, after, limit } => {
+            Request::Fetch {
+                topic,
+                after,
+                limit,
+            } => {
                 let Ok(permit) = self.in_flight.clone().acquire_owned().await else {
                     return;
                 };
                 let shared = self.shared.clone();
                 let tx = self.tx.clone();
                 self.shared.tasks.spawn(async move {
-                    let result = shared.core.fetch(&topic, after, limit).await.map(Response::Fetched);
+                    let result = shared
+                        .core
+                        .fetch(&topic, after, limit)
+                        .await
+                        .map(Response::Fetched);
                     let _ = tx.send(binary(&ServerFrame::Response { id, result })).await;
                     drop(permit);
                 });
@@ -347,7 +382,10 @@ impl Conn {
                 topic,
                 retention_secs,
             } => match core.subscribe(d, &topic, retention_secs) {
-                Ok(r) => self.respond_when_durable(id, r.gen, Response::Subscribed, vec![]).await,
+                Ok(r) => {
+                    self.respond_when_durable(id, r.gen, Response::Subscribed, vec![])
+                        .await
+                }
                 Err(e) => self.respond(id, Err(e)).await,
             },
             Request::Unsubscribe { topic } => match core.unsubscribe(d, &topic) {
@@ -360,7 +398,10 @@ impl Conn {
             Request::Ack { ids } => match core.ack(d, &ids) {
                 // An ack lost in a crash only means a redelivery, which
                 // devices deduplicate: answer without waiting for the flush.
-                Ok(r) => self.respond(id, Ok(Response::Acked { removed: r.value })).await,
+                Ok(r) => {
+                    self.respond(id, Ok(Response::Acked { removed: r.value }))
+                        .await
+                }
                 Err(e) => self.respond(id, Err(e)).await,
             },
             Request::UploadKeyPackages {
@@ -395,7 +436,13 @@ impl Conn {
             Request::Receive { after } => self.start_receive(id, after).await,
             Request::Ping => {
                 let now = self.shared.clock.now_ms();
-                self.respond(id, Ok(Response::Pong { server_time_ms: now })).await;
+                self.respond(
+                    id,
+                    Ok(Response::Pong {
+                        server_time_ms: now,
+                    }),
+                )
+                .await;
             }
         }
     }
@@ -405,7 +452,11 @@ impl Conn {
         let wake = Arc::new(Notify::new());
         let cancel = self.shared.shutdown.child_token();
         let old = {
-            let mut sessions = self.shared.sessions.lock().unwrap_or_else(|p| p.into_inner());
+            let mut sessions = self
+                .shared
+                .sessions
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
             sessions.insert(
                 self.device,
                 Session {
@@ -478,7 +529,9 @@ async fn pump(
     // away anyway.
     if !shared.shutdown.is_cancelled() {
         let _ = tx
-            .send(binary(&ServerFrame::ReceiveEnded(HubError::ReceiveReplaced)))
+            .send(binary(&ServerFrame::ReceiveEnded(
+                HubError::ReceiveReplaced,
+            )))
             .await;
     }
 }

@@ -32,7 +32,9 @@ pub struct RawConn {
 
 impl RawConn {
     pub async fn open(url: &str) -> RawConn {
-        let (mut ws, _) = tokio_tungstenite::connect_async(url).await.expect("connect");
+        let (mut ws, _) = tokio_tungstenite::connect_async(url)
+            .await
+            .expect("connect");
         let challenge = match next(&mut ws).await {
             Got::Frame(ServerFrame::Challenge(c)) => c,
             other => panic!("expected challenge, got {other:?}"),

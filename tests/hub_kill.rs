@@ -1,0 +1,159 @@
+//! Durability: the real `hubsync hub` binary is killed with SIGKILL during a
+//! storm of publishes, restarted on the same directory, and every publish it
+//! had answered `accepted` is there, in order, under its sequence number.
+
+mod common;
+
+use common::*;
+use hubsync::client::{ClientOptions, HubClient};
+use hubsync::testkit::signing_key;
+use hubsync::transport::TcpConnector;
+use hubsync::wire::{ExpectedHead, PublishOutcome, TopicId};
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+fn spawn_hub(dir: &Path, listen: &str) -> (Child, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_hubsync"))
+        .args(["hub", "--listen", listen, "--data"])
+        .arg(dir)
+        .args(["--device-rate", "1000000", "--device-burst", "1000000"])
+        .args(["--topic-rate", "1000000", "--topic-burst", "1000000"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn hubsync hub");
+    let stdout = child.stdout.take().expect("stdout");
+    let mut line = String::new();
+    BufReader::new(stdout)
+        .read_line(&mut line)
+        .expect("read the listening line");
+    let addr = line
+        .split_whitespace()
+        .nth(4)
+        .unwrap_or_else(|| panic!("unexpected first line: {line:?}"))
+        .to_string();
+    (child, format!("ws://{addr}"))
+}
+
+type Accepted = Arc<Mutex<BTreeMap<(String, u64), Vec<u8>>>>;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn accepted_publishes_survive_sigkill() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut child, url) = spawn_hub(dir.path(), "127.0.0.1:0");
+    let accepted: Accepted = Arc::default();
+    let mut workers = Vec::new();
+    for w in 0..4u64 {
+        let client = HubClient::connect(
+            &TcpConnector,
+            &url,
+            &signing_key(w + 1),
+            ClientOptions::default(),
+        )
+        .await
+        .unwrap();
+        // Each worker keeps 8 publishes in flight: half to its own topic
+        // under a compare-and-set chain, half to a shared topic.
+        for lane in 0..8u64 {
+            let client = client.clone();
+            let accepted = accepted.clone();
+            workers.push(tokio::spawn(async move {
+                for i in 0.. {
+                    let n = (w << 40) | (lane << 32) | i;
+                    let topic = if lane % 2 == 0 {
+                        "shared".to_string()
+                    } else {
+                        format!("own-{w}-{lane}")
+                    };
+                    let payload = n.to_be_bytes().to_vec();
+                    let p = log(&topic, n, ExpectedHead::Unconditional, &payload);
+                    match client.publish(p).await {
+                        Ok(PublishOutcome::Accepted { seq, .. }) => {
+                            accepted.lock().unwrap().insert((topic, seq), payload);
+                        }
+                        Ok(other) => panic!("unexpected {other:?}"),
+                        Err(_) => break, // the hub died
+                    }
+                }
+            }));
+        }
+    }
+    // Let the storm run, then kill the hub mid-flight.
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    child.kill().expect("SIGKILL");
+    child.wait().unwrap();
+    for w in workers {
+        w.await.unwrap();
+    }
+    let accepted = accepted.lock().unwrap().clone();
+    assert!(
+        accepted.len() > 100,
+        "the storm was too small to mean anything: {}",
+        accepted.len()
+    );
+    eprintln!("accepted before SIGKILL: {}", accepted.len());
+
+    let (mut child, url) = spawn_hub(dir.path(), "127.0.0.1:0");
+    let reader = HubClient::connect(
+        &TcpConnector,
+        &url,
+        &signing_key(50),
+        ClientOptions::default(),
+    )
+    .await
+    .unwrap();
+    let mut topics: Vec<String> = accepted.keys().map(|(t, _)| t.clone()).collect();
+    topics.dedup();
+    for topic in topics {
+        let mut stored = BTreeMap::new();
+        let mut after = 0;
+        let head = loop {
+            let f = reader
+                .fetch(&TopicId::from(topic.as_str()), after, 500)
+                .await
+                .unwrap();
+            assert!(!f.gap);
+            for m in &f.messages {
+                stored.insert(m.seq, m.payload.clone());
+                after = m.seq;
+            }
+            if f.messages.is_empty() {
+                break f.head;
+            }
+        };
+        let head = head.expect("a topic with accepted publishes has a head");
+        // No holes: the log is 1..=head.
+        assert_eq!(stored.len() as u64, head, "holes in {topic}");
+        for ((t, seq), payload) in accepted.range((topic.clone(), 0)..=(topic.clone(), u64::MAX)) {
+            assert_eq!(t, &topic);
+            assert_eq!(
+                stored.get(seq),
+                Some(payload),
+                "accepted {topic}#{seq} lost or changed"
+            );
+            assert!(head >= *seq, "the head went back in {topic}");
+        }
+    }
+    // The head keeps moving from where it was.
+    let f = reader.fetch(&TopicId::from("shared"), 0, 1).await.unwrap();
+    let head = f.head.unwrap();
+    assert_eq!(
+        reader
+            .publish(log("shared", 1 << 60, ExpectedHead::Seq(head), b"after"))
+            .await
+            .unwrap(),
+        PublishOutcome::Accepted {
+            seq: head + 1,
+            head: Some(head + 1)
+        }
+    );
+    // SIGTERM stops it cleanly with exit code 0.
+    let pid = child.id().to_string();
+    Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    let status = child.wait().unwrap();
+    assert!(status.success(), "hub exit status {status:?}");
+}
