@@ -738,3 +738,67 @@ async fn ping_and_requests_before_auth() {
         })
     ));
 }
+
+#[tokio::test]
+async fn group_commit_shares_flushes_between_concurrent_publishes() {
+    let hub = TestHub::start_with(unthrottled).await.unwrap();
+    let clients: Vec<_> = futures::future::join_all((1..=8).map(|i| hub.client_owned(i))).await;
+    let before = hub.hub().metrics();
+    let publishes = clients.iter().enumerate().flat_map(|(c, client)| {
+        (0..50u64).map(move |i| {
+            client.publish(log(
+                &format!("gc-{c}"),
+                i,
+                ExpectedHead::Unconditional,
+                b"x",
+            ))
+        })
+    });
+    for r in futures::future::join_all(publishes).await {
+        assert!(matches!(r.unwrap(), PublishOutcome::Accepted { .. }));
+    }
+    let after = hub.hub().metrics();
+    let accepted = after.accepted - before.accepted;
+    let flushes = after.flushes - before.flushes;
+    assert_eq!(accepted, 400);
+    assert!(
+        flushes < accepted,
+        "{flushes} flushes for {accepted} publishes"
+    );
+}
+
+#[tokio::test]
+async fn receive_resumes_after_a_cursor() {
+    let hub = TestHub::start_with(unthrottled).await.unwrap();
+    let a = hub.client(&signing_key(1)).await.unwrap();
+    let key = signing_key(2);
+    let b = hub.client(&key).await.unwrap();
+    b.subscribe(&TopicId::from("c"), None).await.unwrap();
+    for i in 0..10u64 {
+        a.publish(log("c", i, ExpectedHead::Unconditional, &[i as u8]))
+            .await
+            .unwrap();
+    }
+    let mut rx = b.take_pushes().unwrap();
+    b.receive(0).await.unwrap();
+    let mut ids = Vec::new();
+    for _ in 0..10 {
+        match next_push(&mut rx).await {
+            Some(Push::Delivery(d)) => ids.push(d.id),
+            other => panic!("{other:?}"),
+        }
+    }
+    // Nothing acked; a new stream after the 6th id sends the last four only.
+    let b2 = hub.client(&key).await.unwrap();
+    let mut rx2 = b2.take_pushes().unwrap();
+    b2.receive(ids[5]).await.unwrap();
+    let mut resumed = Vec::new();
+    for _ in 0..4 {
+        match next_push(&mut rx2).await {
+            Some(Push::Delivery(d)) => resumed.push(d.id),
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(resumed, ids[6..].to_vec());
+    no_push(&mut rx2).await;
+}

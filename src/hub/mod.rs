@@ -15,6 +15,9 @@ mod model_tests;
 
 pub use self::core::{DeliveryBatch, Durable, HubCore, Published, PurgeReport};
 pub use self::limits::{Limits, Rate};
+/// The hub's storage trait: the crate's one key-value trait, so the
+/// simulation's crash-semantics store and sled serve the hub alike.
+pub use crate::kv::KvStore as HubStore;
 
 use crate::clock::Clock;
 use crate::kv::KvStore;
