@@ -802,3 +802,51 @@ async fn receive_resumes_after_a_cursor() {
     assert_eq!(resumed, ids[6..].to_vec());
     no_push(&mut rx2).await;
 }
+
+#[tokio::test]
+async fn fetch_answers_fit_in_one_frame() {
+    let hub = TestHub::start_with(|c| {
+        c.limits = Limits::unthrottled();
+        c.limits.max_payload = 10_000;
+    })
+    .await
+    .unwrap();
+    let c = hub.client(&signing_key(1)).await.unwrap();
+    for i in 0..5u64 {
+        c.publish(log("big", i, ExpectedHead::Unconditional, &[i as u8; 4000]))
+            .await
+            .unwrap();
+    }
+    let f = c.fetch(&TopicId::from("big"), 0, 500).await.unwrap();
+    assert_eq!(
+        f.messages.len(),
+        2,
+        "two 4000-byte frames fit under 10000, three do not"
+    );
+    let f = c.fetch(&TopicId::from("big"), 2, 500).await.unwrap();
+    assert_eq!(
+        f.messages.iter().map(|m| m.seq).collect::<Vec<_>>(),
+        vec![3, 4]
+    );
+}
+
+#[tokio::test]
+async fn retries_of_accepted_publishes_are_not_rate_limited() {
+    let hub = TestHub::start_with(|c| {
+        c.limits.device_rate = Rate {
+            per_sec: 0.001,
+            burst: 1.0,
+        };
+    })
+    .await
+    .unwrap();
+    let c = hub.client(&signing_key(1)).await.unwrap();
+    let p = log("once", 1, ExpectedHead::Empty, b"x");
+    c.publish(p.clone()).await.unwrap();
+    for _ in 0..3 {
+        assert_eq!(
+            c.publish(p.clone()).await.unwrap(),
+            PublishOutcome::Duplicate { seq: 1 }
+        );
+    }
+}

@@ -204,7 +204,6 @@ impl HubCore {
             return Err(HubError::HeadConditionOnMailbox);
         }
         let retention_ms = self.retention_ms(p.retention_secs)?;
-        self.rate.check(&sender, Some(&p.topic))?;
         let digest = content_digest(p.class, &p.payload);
 
         let _guard = self.lock();
@@ -230,6 +229,10 @@ impl HubCore {
             self.counters.conflicts.fetch_add(1, Ordering::Relaxed);
             return Err(HubError::Conflict { seq: rec.seq });
         }
+        // Rate limits count new work only: a retry answered from the
+        // idempotency record above costs no token, so a replay after an
+        // outage is never refused as rate limited.
+        self.rate.check(&sender, Some(&p.topic))?;
         if p.replay_only {
             self.counters
                 .history_missing
@@ -443,6 +446,7 @@ impl HubCore {
         // forward; report the newest values so a reader never misses a gap.
         let now: TopicMeta = self.read(&l::topic_meta(topic))?.unwrap_or_default();
         let mut messages = Vec::new();
+        let mut bytes = 0usize;
         if after < seen.last_seq {
             let start = l::log_frame(topic, after + 1);
             let end = l::log_frame(topic, seen.last_seq + 1);
@@ -455,6 +459,12 @@ impl HubCore {
                     continue;
                 };
                 let f: StoredFrame = l::decode(&k, &v).map_err(internal)?;
+                // Keep the answer within one frame: stop before the payloads
+                // add up past the payload limit (always at least one frame).
+                bytes += f.payload.len();
+                if !messages.is_empty() && bytes > self.limits.max_payload {
+                    break;
+                }
                 messages.push(LogFrame {
                     seq,
                     sender: f.sender,

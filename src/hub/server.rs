@@ -34,19 +34,24 @@ fn binary(frame: &ServerFrame) -> Message {
 }
 
 fn close(code: CloseCode, reason: &str) -> Message {
+    // A close reason may be at most 123 bytes; cut on a character boundary.
+    let mut end = reason.len().min(120);
+    while !reason.is_char_boundary(end) {
+        end -= 1;
+    }
     Message::Close(Some(CloseFrame {
         code,
-        reason: reason.to_string().into(),
+        reason: reason[..end].to_string().into(),
     }))
 }
 
 pub(crate) async fn connection(shared: Arc<HubShared>, conn: u64, stream: BoxStream, peer: String) {
     shared.counters.connections.fetch_add(1, Ordering::Relaxed);
     shared.counters.open.fetch_add(1, Ordering::Relaxed);
-    let span = tracing::debug_span!("conn", conn, %peer);
-    let _e = span.enter();
-    drop(_e);
-    serve_connection(&shared, conn, stream).await;
+    use tracing::Instrument;
+    serve_connection(&shared, conn, stream)
+        .instrument(tracing::debug_span!("conn", conn, %peer))
+        .await;
     shared.counters.open.fetch_sub(1, Ordering::Relaxed);
     // This connection's receive stream ends with it, unless a newer one
     // already replaced it.
@@ -269,7 +274,11 @@ fn verify(
     if &auth.nonce != nonce {
         return Err(HubError::UnknownChallenge);
     }
-    if now > expires_at_ms || auth.expires_at_ms != expires_at_ms {
+    if auth.expires_at_ms != expires_at_ms {
+        // The device altered the challenge it was given.
+        return Err(HubError::UnknownChallenge);
+    }
+    if now > expires_at_ms {
         return Err(HubError::ChallengeExpired);
     }
     if auth.hub_url.trim_end_matches('/') != shared.config.url {
