@@ -1,5 +1,7 @@
 //! The `hubsync` binary: run a hub, or the end-to-end demo.
 
+mod demo;
+
 use clap::{Parser, Subcommand};
 use hubsync::clock::Clock;
 use hubsync::hub::{Hub, HubConfig, Limits, Rate};
@@ -26,6 +28,8 @@ struct Cli {
 enum Command {
     /// Serve a hub: a group-blind relay storing opaque frames.
     Hub(HubArgs),
+    /// Two real hubs and five devices on loopback, end to end.
+    Demo,
 }
 
 #[derive(clap::Args)]
@@ -66,14 +70,19 @@ struct HubArgs {
 }
 
 fn main() -> ExitCode {
+    let cli = Cli::parse();
+    // The demo narrates on stdout; its logs stay quiet unless asked for.
+    let default = match cli.command {
+        Command::Demo => "warn",
+        Command::Hub(_) => "info",
+    };
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default)),
         )
         .with_writer(std::io::stderr)
         .init();
-    let cli = Cli::parse();
     let rt = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => {
@@ -83,6 +92,7 @@ fn main() -> ExitCode {
     };
     let result = match cli.command {
         Command::Hub(args) => rt.block_on(run_hub(args)),
+        Command::Demo => rt.block_on(demo::run()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -144,3 +144,98 @@ impl TestHub {
         self._temp
     }
 }
+
+/// Device options for tests: the device's hubs, fast reconnects and retries,
+/// so tests spend their time on behaviour rather than on backoff.
+pub fn device_options(hubs: &[String]) -> crate::device::DeviceOptions {
+    let mut o = crate::device::DeviceOptions::new(hubs.to_vec());
+    o.manager.link.backoff_base = std::time::Duration::from_millis(50);
+    o.manager.link.backoff_max = std::time::Duration::from_millis(500);
+    o.manager.link.stable_after = std::time::Duration::from_millis(200);
+    o.manager.link.client.request_timeout = std::time::Duration::from_secs(5);
+    o.outbox.retry_base = std::time::Duration::from_millis(50);
+    o.outbox.retry_max = std::time::Duration::from_millis(500);
+    o
+}
+
+/// A device in a temporary directory that can be closed and reopened.
+pub struct TestDevice {
+    device: Option<crate::device::Device>,
+    dir: tempfile::TempDir,
+    options: crate::device::DeviceOptions,
+}
+
+impl TestDevice {
+    /// Open a new device on `hubs` with [`device_options`].
+    ///
+    /// # Errors
+    /// When the directory or the store cannot be had.
+    pub async fn open(hubs: &[String]) -> Result<TestDevice, crate::device::DeviceError> {
+        Self::open_with(device_options(hubs)).await
+    }
+
+    /// Open a new device with the given options.
+    ///
+    /// # Errors
+    /// When the directory or the store cannot be had.
+    pub async fn open_with(
+        options: crate::device::DeviceOptions,
+    ) -> Result<TestDevice, crate::device::DeviceError> {
+        let dir =
+            tempfile::tempdir().map_err(|e| crate::device::DeviceError::Store(e.to_string()))?;
+        let device = Self::start(dir.path(), &options).await?;
+        Ok(TestDevice {
+            device: Some(device),
+            dir,
+            options,
+        })
+    }
+
+    async fn start(
+        dir: &Path,
+        options: &crate::device::DeviceOptions,
+    ) -> Result<crate::device::Device, crate::device::DeviceError> {
+        let kv = open_sled(dir)
+            .await
+            .map_err(|e| crate::device::DeviceError::Store(e.to_string()))?;
+        crate::device::Device::open_store(Arc::new(kv), options.clone()).await
+    }
+
+    /// Close the device and open it again from its directory, as a restart
+    /// of the app would.
+    ///
+    /// # Errors
+    /// When the store cannot be reopened.
+    pub async fn reopen(&mut self) -> Result<(), crate::device::DeviceError> {
+        if let Some(d) = self.device.take() {
+            d.close().await;
+        }
+        self.device = Some(Self::start(self.dir.path(), &self.options).await?);
+        Ok(())
+    }
+
+    /// Close the device (its directory stays until this value is dropped).
+    pub async fn close(&mut self) {
+        if let Some(d) = self.device.take() {
+            d.close().await;
+        }
+    }
+
+    /// The device's directory.
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+}
+
+impl std::ops::Deref for TestDevice {
+    type Target = crate::device::Device;
+
+    /// # Panics
+    /// When the device is closed: reopen it first.
+    fn deref(&self) -> &Self::Target {
+        match &self.device {
+            Some(d) => d,
+            None => panic!("TestDevice used while closed; call reopen() first"),
+        }
+    }
+}

@@ -1,5 +1,27 @@
-//! The device side: identity, MLS storage and the OpenMLS provider.
+//! The device side: identity, MLS storage, hub links, group peers, the
+//! commit lane, the outbox, and the [`Device`] facade apps use.
 
+mod api;
+pub mod directory;
+pub mod error;
+pub mod events;
+pub mod frames;
 pub mod identity;
+mod lane;
+pub mod link;
+pub mod manager;
+pub mod mls;
+pub mod outbox;
+mod peer;
 pub mod provider;
+pub mod records;
+pub mod registry;
 pub mod storage;
+pub mod topics;
+
+pub use api::{Device, DeviceOptions};
+pub use error::DeviceError;
+pub use events::Event;
+pub use lane::{CommitReport, LaneState};
+pub use manager::{DeviceStats, FutureFrames, GroupPeer, GroupPeerManager, ManagerConfig};
+pub use records::GroupId;

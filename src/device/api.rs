@@ -1,0 +1,245 @@
+//! The `Device` facade: what an app links.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), hubsync::device::DeviceError> {
+//! use hubsync::device::{Device, DeviceOptions};
+//! let hubs = vec!["ws://127.0.0.1:7400".to_string()];
+//! let alice = Device::open("alice-data".as_ref(), DeviceOptions::new(hubs.clone())).await?;
+//! let group = alice.create_group(&hubs).await?;
+//! alice.send(group, b"hello").await?;
+//! # Ok(()) }
+//! ```
+
+use super::directory::HubDirectory;
+use super::error::DeviceError;
+use super::events::Event;
+use super::identity::DeviceIdentity;
+use super::lane::CommitReport;
+use super::manager::{DeviceStats, GroupPeerManager, ManagerConfig};
+use super::outbox::{Outbox, OutboxConfig};
+use super::provider::DeviceProvider;
+use super::records::{GroupId, Records};
+use super::registry::Registry;
+use crate::clock::Clock;
+use crate::kv::{KvStore, SledKv};
+use crate::rng::SharedRng;
+use crate::transport::{Connector, TcpConnector};
+use crate::wire::DeviceId;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::broadcast;
+
+/// How a device is opened.
+#[derive(Clone)]
+pub struct DeviceOptions {
+    /// The device's own hubs: it keeps key packages there and hears
+    /// Welcomes there. Groups may bind other hubs too.
+    pub hubs: Vec<String>,
+    /// How hubs are reached (TCP in production, simulated in simulations).
+    pub connector: Arc<dyn Connector>,
+    /// Links, peers and the commit lane.
+    pub manager: ManagerConfig,
+    /// The durable outbox.
+    pub outbox: OutboxConfig,
+    /// Wall-clock source.
+    pub clock: Clock,
+    /// The engine's randomness; `None` seeds from the operating system.
+    pub rng: Option<SharedRng>,
+    /// Seed of the MLS randomness: simulations only, never production.
+    pub mls_seed: Option<u64>,
+    /// How long the hub directory's answers count as fresh.
+    pub directory_ttl: Duration,
+}
+
+impl DeviceOptions {
+    /// Production defaults for a device whose own hubs are `hubs`.
+    pub fn new(hubs: Vec<String>) -> Self {
+        Self {
+            hubs,
+            connector: Arc::new(TcpConnector),
+            manager: ManagerConfig::default(),
+            outbox: OutboxConfig::default(),
+            clock: Clock::System,
+            rng: None,
+            mls_seed: None,
+            directory_ttl: Duration::from_secs(60),
+        }
+    }
+}
+
+/// One device: its identity, its groups, its hub connections.
+pub struct Device {
+    id: DeviceId,
+    manager: GroupPeerManager,
+}
+
+impl Device {
+    /// Open (or create) the device whose state lives in `dir` (one sled
+    /// database), and start its hub links and peers.
+    ///
+    /// # Errors
+    /// `Store` when the directory cannot be opened (for example another
+    /// process holds it).
+    pub async fn open(dir: &Path, options: DeviceOptions) -> Result<Device, DeviceError> {
+        let kv: Arc<dyn KvStore> = Arc::new(SledKv::open(dir)?);
+        Self::open_store(kv, options).await
+    }
+
+    /// Open the device over any store (the simulation's crash-semantics
+    /// store, or sled).
+    ///
+    /// # Errors
+    /// `Store` when the store cannot be read.
+    pub async fn open_store(
+        kv: Arc<dyn KvStore>,
+        options: DeviceOptions,
+    ) -> Result<Device, DeviceError> {
+        let rng = options.rng.clone().unwrap_or_else(SharedRng::from_entropy);
+        let mut id_rng = rng.fork();
+        let identity = DeviceIdentity::load_or_create(&*kv, &mut id_rng)
+            .map_err(|e| DeviceError::Store(e.to_string()))?;
+        let provider = Arc::new(match options.mls_seed {
+            Some(seed) => DeviceProvider::seeded(kv.clone(), seed),
+            None => DeviceProvider::new(kv.clone()),
+        });
+        let outbox = Outbox::open(
+            kv.clone(),
+            options.clock.clone(),
+            rng.fork(),
+            options.outbox.clone(),
+        )
+        .map_err(|e| DeviceError::Store(e.to_string()))?;
+        let directory =
+            HubDirectory::open(kv.clone(), options.clock.clone(), options.directory_ttl)
+                .map_err(|e| DeviceError::Store(e.to_string()))?;
+        let id = identity.id();
+        let manager = GroupPeerManager::new(
+            identity,
+            Registry::new(provider),
+            Records::new(kv),
+            outbox,
+            directory,
+            options.connector.clone(),
+            options.manager.clone(),
+            rng,
+        );
+        manager.start(&options.hubs).await?;
+        Ok(Device { id, manager })
+    }
+
+    /// This device's id (its ed25519 public key).
+    pub fn id(&self) -> DeviceId {
+        self.id
+    }
+
+    /// Create a group bound to `hubs` (the first is its commit hub).
+    ///
+    /// # Errors
+    /// `NoHubs`, MLS or store errors.
+    pub async fn create_group(&self, hubs: &[String]) -> Result<GroupId, DeviceError> {
+        self.manager.create_group(hubs).await
+    }
+
+    /// Invite a device into a group; it joins once it hears the Welcome.
+    ///
+    /// # Errors
+    /// See [`GroupPeerManager::invite`].
+    pub async fn invite(
+        &self,
+        group: GroupId,
+        device: DeviceId,
+    ) -> Result<CommitReport, DeviceError> {
+        self.manager.invite(group, device).await
+    }
+
+    /// Remove a device from a group.
+    ///
+    /// # Errors
+    /// See [`GroupPeerManager::remove`].
+    pub async fn remove(
+        &self,
+        group: GroupId,
+        device: DeviceId,
+    ) -> Result<CommitReport, DeviceError> {
+        self.manager.remove(group, device).await
+    }
+
+    /// Send `body` to every member of the group; answers the message id.
+    /// Durable once this returns: a hub outage only delays it.
+    ///
+    /// # Errors
+    /// See [`GroupPeerManager::broadcast`].
+    pub async fn send(&self, group: GroupId, body: &[u8]) -> Result<[u8; 16], DeviceError> {
+        self.manager.broadcast(group, body).await
+    }
+
+    /// Update this device's keys in the group (a self-update commit).
+    ///
+    /// # Errors
+    /// See [`GroupPeerManager::rotate`].
+    pub async fn rotate_keys(&self, group: GroupId) -> Result<CommitReport, DeviceError> {
+        self.manager.rotate(group).await
+    }
+
+    /// The group's members.
+    ///
+    /// # Errors
+    /// `UnknownGroup`.
+    pub async fn members(&self, group: GroupId) -> Result<Vec<DeviceId>, DeviceError> {
+        self.manager.members(group).await
+    }
+
+    /// The group's epoch.
+    ///
+    /// # Errors
+    /// `UnknownGroup`.
+    pub async fn epoch(&self, group: GroupId) -> Result<u64, DeviceError> {
+        Ok(self.manager.epoch(group).await?.0)
+    }
+
+    /// The group's epoch authenticator: equal on two devices exactly when
+    /// they agree on the epoch's state.
+    ///
+    /// # Errors
+    /// `UnknownGroup`.
+    pub async fn epoch_authenticator(&self, group: GroupId) -> Result<Vec<u8>, DeviceError> {
+        Ok(self.manager.epoch(group).await?.1)
+    }
+
+    /// Groups this device is in.
+    ///
+    /// # Errors
+    /// The store's error.
+    pub fn groups(&self) -> Result<Vec<GroupId>, DeviceError> {
+        Ok(self
+            .manager
+            .shared
+            .records
+            .groups()?
+            .into_iter()
+            .map(|r| r.id)
+            .collect())
+    }
+
+    /// Events: messages, membership, epochs, hub status.
+    pub fn events(&self) -> broadcast::Receiver<Event> {
+        self.manager.events()
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> DeviceStats {
+        self.manager.stats()
+    }
+
+    /// The manager underneath, for what the facade does not cover.
+    pub fn manager(&self) -> &GroupPeerManager {
+        &self.manager
+    }
+
+    /// Stop every task and connection. The state on disk stays; `open`
+    /// resumes it.
+    pub async fn close(&self) {
+        self.manager.stop().await;
+    }
+}

@@ -1,0 +1,604 @@
+//! `GroupPeerManager`: every hub link and group peer of one device.
+//!
+//! One [`HubLink`] per hub URL, created on first use and shared by every
+//! group bound to that hub; one [`GroupPeer`] per (group, hub) pair that
+//! exists while the group is joined and bound to that hub. The manager owns
+//! their lifecycle, fans broadcasts out to every hub of a group, routes
+//! commits through the group's commit hub, and answers Welcomes.
+
+use super::directory::HubDirectory;
+use super::error::DeviceError;
+use super::events::Event;
+use super::frames::WelcomeEnvelope;
+use super::identity::DeviceIdentity;
+use super::link::{HubLink, LinkConfig, LinkError};
+use super::outbox::{Outbox, OutboxSink, SendFailure};
+use super::records::{GroupId, GroupRecord, Records};
+use super::registry::Registry;
+use super::topics;
+use crate::rng::SharedRng;
+use crate::transport::Connector;
+use crate::wire::{Publish, PublishOutcome, TopicId};
+use futures::future::BoxFuture;
+use std::collections::{BTreeSet, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+use tokio::sync::{broadcast, watch};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+/// What to do with an app frame from an epoch this device has not reached.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum FutureFrames {
+    /// Keep it durably and read it after the next epoch change (default).
+    #[default]
+    Persist,
+    /// Drop it and count it.
+    Drop,
+}
+
+/// How a manager behaves.
+#[derive(Clone, Debug)]
+pub struct ManagerConfig {
+    /// Reconnection and request settings of every hub link.
+    pub link: LinkConfig,
+    /// Future-epoch app frames.
+    pub future_frames: FutureFrames,
+    /// Re-broadcast frames received on one hub to the group's other hubs.
+    pub forwarding: bool,
+    /// How long a commit keeps retrying lost races.
+    pub commit_deadline: Duration,
+    /// Key packages kept in the pool on each hub.
+    pub key_packages: u32,
+}
+
+impl Default for ManagerConfig {
+    fn default() -> Self {
+        Self {
+            link: LinkConfig::default(),
+            future_frames: FutureFrames::Persist,
+            forwarding: false,
+            commit_deadline: Duration::from_secs(30),
+            key_packages: 10,
+        }
+    }
+}
+
+/// Counters a device reports.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DeviceStats {
+    /// App messages delivered to the app.
+    pub delivered: u64,
+    /// Frames dropped because another hub already delivered them.
+    pub duplicates: u64,
+    /// App frames dropped (dead epoch, or a future one in drop mode).
+    pub dropped: u64,
+    /// Commit-topic frames skipped as unreadable.
+    pub poison: u64,
+    /// Commits this device landed.
+    pub commits: u64,
+    /// Commit attempts that lost the race and were rebuilt.
+    pub lost_races: u64,
+}
+
+#[derive(Default)]
+pub(super) struct Counters {
+    pub delivered: AtomicU64,
+    pub duplicates: AtomicU64,
+    pub dropped: AtomicU64,
+    pub poison: AtomicU64,
+    pub commits: AtomicU64,
+    pub lost_races: AtomicU64,
+}
+
+/// The topics a group's peers read.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) struct GroupTopics {
+    pub commit_hub: String,
+    pub commit: TopicId,
+    pub app: Vec<TopicId>,
+}
+
+impl GroupTopics {
+    pub(super) fn of(rec: &GroupRecord) -> Self {
+        Self {
+            commit_hub: rec.commit_hub.clone(),
+            commit: topics::commit_topic(&rec.id.0),
+            app: rec.app_topics.clone(),
+        }
+    }
+}
+
+/// One (group, hub) peer: subscribes the group's topics on that hub and
+/// applies what arrives.
+#[derive(Clone)]
+pub struct GroupPeer {
+    group: GroupId,
+    hub: String,
+    link: HubLink,
+    cancel: CancellationToken,
+}
+
+impl GroupPeer {
+    /// The group.
+    pub fn group(&self) -> GroupId {
+        self.group
+    }
+
+    /// The hub.
+    pub fn hub(&self) -> &str {
+        &self.hub
+    }
+
+    /// The shared link to the hub.
+    pub fn link(&self) -> &HubLink {
+        &self.link
+    }
+}
+
+pub(super) struct Shared {
+    pub identity: DeviceIdentity,
+    pub registry: Registry,
+    pub records: Records,
+    pub outbox: Outbox,
+    pub directory: HubDirectory,
+    pub connector: Arc<dyn Connector>,
+    pub config: ManagerConfig,
+    pub rng: SharedRng,
+    pub links: Mutex<HashMap<String, HubLink>>,
+    pub peers: Mutex<HashMap<(GroupId, String), GroupPeer>>,
+    pub topics: Mutex<HashMap<GroupId, watch::Sender<GroupTopics>>>,
+    pub events: broadcast::Sender<Event>,
+    pub counters: Counters,
+    pub shutdown: CancellationToken,
+    pub tasks: TaskTracker,
+    /// Test-only fault switches (see [`Faults`]).
+    pub faults: Faults,
+}
+
+/// Deliberate faults, for showing that the checks that should catch them
+/// do. Never set outside tests.
+#[derive(Debug, Default)]
+pub struct Faults {
+    /// Skip the inbox's duplicate check.
+    pub skip_dedup: std::sync::atomic::AtomicBool,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Every link and peer of one device.
+#[derive(Clone)]
+pub struct GroupPeerManager {
+    pub(super) shared: Arc<Shared>,
+}
+
+struct LinkSink(Weak<Shared>);
+
+impl OutboxSink for LinkSink {
+    fn publish(
+        &self,
+        hub: &str,
+        p: Publish,
+    ) -> BoxFuture<'static, Result<PublishOutcome, SendFailure>> {
+        let shared = self.0.upgrade();
+        let hub = hub.to_string();
+        Box::pin(async move {
+            let Some(shared) = shared else {
+                return Err(SendFailure::Retry {
+                    reason: "device stopped".into(),
+                    after: None,
+                });
+            };
+            let link = GroupPeerManager { shared }.hub_link(&hub);
+            link.publish(p).await.map_err(send_failure)
+        })
+    }
+}
+
+/// How a link error maps onto the outbox's retry decision.
+fn send_failure(e: LinkError) -> SendFailure {
+    match e {
+        LinkError::Client(c) => SendFailure::from_client_error(c),
+        other => SendFailure::Retry {
+            reason: other.to_string(),
+            after: None,
+        },
+    }
+}
+
+pub(super) fn hub_error(url: &str, e: impl std::fmt::Display) -> DeviceError {
+    DeviceError::Hub {
+        url: url.to_string(),
+        reason: e.to_string(),
+    }
+}
+
+impl GroupPeerManager {
+    /// A manager for `identity` over its registry and records. Nothing
+    /// connects until [`GroupPeerManager::start`].
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn new(
+        identity: DeviceIdentity,
+        registry: Registry,
+        records: Records,
+        outbox: Outbox,
+        directory: HubDirectory,
+        connector: Arc<dyn Connector>,
+        config: ManagerConfig,
+        rng: SharedRng,
+    ) -> Self {
+        let (events, _) = broadcast::channel(4096);
+        Self {
+            shared: Arc::new(Shared {
+                identity,
+                registry,
+                records,
+                outbox,
+                directory,
+                connector,
+                config,
+                rng,
+                links: Mutex::new(HashMap::new()),
+                peers: Mutex::new(HashMap::new()),
+                topics: Mutex::new(HashMap::new()),
+                events,
+                counters: Counters::default(),
+                shutdown: CancellationToken::new(),
+                tasks: TaskTracker::new(),
+                faults: Faults::default(),
+            }),
+        }
+    }
+
+    /// Bring up links to `hubs` (the device's own hubs, where it keeps key
+    /// packages and hears Welcomes), the outbox, and a peer for each binding
+    /// of each joined group.
+    ///
+    /// # Errors
+    /// The store's error reading the group records.
+    pub async fn start(&self, hubs: &[String]) -> Result<(), DeviceError> {
+        let sink: Arc<dyn OutboxSink> = Arc::new(LinkSink(Arc::downgrade(&self.shared)));
+        let outbox = self.shared.outbox.clone();
+        let stop = self.shared.shutdown.clone();
+        self.shared
+            .tasks
+            .spawn(async move { outbox.run(sink, stop).await });
+        for hub in hubs {
+            self.hub_link(hub);
+        }
+        for rec in self.shared.records.groups()? {
+            self.add_group(rec.id).await?;
+        }
+        Ok(())
+    }
+
+    /// The event channel.
+    pub fn events(&self) -> broadcast::Receiver<Event> {
+        self.shared.events.subscribe()
+    }
+
+    pub(super) fn emit(&self, e: Event) {
+        let _ = self.shared.events.send(e);
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> DeviceStats {
+        let c = &self.shared.counters;
+        let r = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        DeviceStats {
+            delivered: r(&c.delivered),
+            duplicates: r(&c.duplicates),
+            dropped: r(&c.dropped),
+            poison: r(&c.poison),
+            commits: r(&c.commits),
+            lost_races: r(&c.lost_races),
+        }
+    }
+
+    /// Test-only fault switches.
+    pub fn faults(&self) -> &Faults {
+        &self.shared.faults
+    }
+
+    /// The outbox of this device.
+    pub fn outbox(&self) -> &Outbox {
+        &self.shared.outbox
+    }
+
+    /// The device's view of its hubs.
+    pub fn directory(&self) -> &HubDirectory {
+        &self.shared.directory
+    }
+
+    /// The shared link for `url`, created (and connecting) on first use.
+    pub fn hub_link(&self, url: &str) -> HubLink {
+        let url = url.trim_end_matches('/').to_string();
+        let mut links = lock(&self.shared.links);
+        if let Some(l) = links.get(&url) {
+            return l.clone();
+        }
+        let link = HubLink::start(
+            &url,
+            self.shared.identity.signing_key().clone(),
+            self.shared.connector.clone(),
+            self.shared.config.link.clone(),
+            self.shared.rng.fork(),
+        );
+        links.insert(url.clone(), link.clone());
+        drop(links);
+        self.shared.directory.track(&link);
+        self.spawn_link_duties(link.clone());
+        link
+    }
+
+    /// Device-wide duties on a new link: report its status, hear Welcomes
+    /// addressed to this device, keep key packages stocked.
+    fn spawn_link_duties(&self, link: HubLink) {
+        let me = self.clone();
+        let stop = self.shared.shutdown.clone();
+        let mut status = link.status();
+        let l = link.clone();
+        self.shared.tasks.spawn(async move {
+            loop {
+                let s = status.borrow_and_update().clone();
+                me.emit(Event::HubStatus {
+                    url: l.url().to_string(),
+                    status: s.clone(),
+                });
+                if s == super::link::LinkStatus::Connected {
+                    if let Err(e) = me.restock_key_packages(&l).await {
+                        tracing::warn!(hub = l.url(), error = %e, "key package restock failed");
+                    }
+                }
+                tokio::select! {
+                    _ = stop.cancelled() => break,
+                    r = status.changed() => if r.is_err() { break },
+                }
+            }
+        });
+        let me = self.clone();
+        let stop = self.shared.shutdown.clone();
+        let topic = topics::welcome_topic(&self.shared.identity.id());
+        let mut rx = link.subscribe(topic, None);
+        self.shared.tasks.spawn(async move {
+            loop {
+                let d = tokio::select! {
+                    _ = stop.cancelled() => break,
+                    d = rx.recv() => match d { Some(d) => d, None => break },
+                };
+                match me.accept_welcome(&d.payload).await {
+                    Ok(()) => link.ack(vec![d.id]).await,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "welcome refused");
+                        // A refused Welcome will never become acceptable.
+                        link.ack(vec![d.id]).await;
+                    }
+                }
+            }
+        });
+    }
+
+    /// Mark a group joined and create a peer for each of its hub bindings.
+    ///
+    /// # Errors
+    /// `UnknownGroup` when no record exists.
+    pub async fn add_group(&self, group: GroupId) -> Result<(), DeviceError> {
+        let rec = self
+            .shared
+            .records
+            .group(&group)?
+            .ok_or(DeviceError::UnknownGroup(group))?;
+        {
+            let mut t = lock(&self.shared.topics);
+            match t.get(&group) {
+                Some(tx) => {
+                    tx.send_replace(GroupTopics::of(&rec));
+                }
+                None => {
+                    t.insert(group, watch::Sender::new(GroupTopics::of(&rec)));
+                }
+            }
+        }
+        for hub in &rec.hubs {
+            self.add_binding_peer(group, hub);
+        }
+        Ok(())
+    }
+
+    /// Dispose every peer of a group.
+    pub async fn remove_group(&self, group: GroupId) {
+        let peers: Vec<GroupPeer> = {
+            let mut p = lock(&self.shared.peers);
+            let keys: Vec<_> = p.keys().filter(|(g, _)| *g == group).cloned().collect();
+            keys.into_iter().filter_map(|k| p.remove(&k)).collect()
+        };
+        for peer in peers {
+            peer.cancel.cancel();
+        }
+        lock(&self.shared.topics).remove(&group);
+    }
+
+    /// Bind a group to another hub: record it and create the peer.
+    ///
+    /// # Errors
+    /// `UnknownGroup`, or the store's error.
+    pub async fn add_binding(&self, group: GroupId, hub: &str) -> Result<(), DeviceError> {
+        let hub = hub.trim_end_matches('/').to_string();
+        let mut guard = self.shared.registry.lock(group).await;
+        let mut rec = self
+            .shared
+            .records
+            .group(&group)?
+            .ok_or(DeviceError::UnknownGroup(group))?;
+        if !rec.hubs.contains(&hub) {
+            rec.hubs.push(hub.clone());
+            let mut b = crate::kv::WriteBatch::new();
+            self.shared.records.put_group(&mut b, &rec);
+            guard.finish(b)?;
+        }
+        drop(guard);
+        self.add_binding_peer(group, &hub);
+        Ok(())
+    }
+
+    /// Unbind a group from a hub, dropping the link if no group uses it.
+    ///
+    /// # Errors
+    /// `UnknownGroup`, or the store's error.
+    pub async fn remove_binding(&self, group: GroupId, hub: &str) -> Result<(), DeviceError> {
+        let hub = hub.trim_end_matches('/').to_string();
+        let mut guard = self.shared.registry.lock(group).await;
+        let mut rec = self
+            .shared
+            .records
+            .group(&group)?
+            .ok_or(DeviceError::UnknownGroup(group))?;
+        rec.hubs.retain(|h| h != &hub);
+        let mut b = crate::kv::WriteBatch::new();
+        self.shared.records.put_group(&mut b, &rec);
+        guard.finish(b)?;
+        drop(guard);
+        if let Some(p) = lock(&self.shared.peers).remove(&(group, hub.clone())) {
+            p.cancel.cancel();
+        }
+        self.gc_link(&hub).await;
+        Ok(())
+    }
+
+    /// Stop and drop a link that no peer uses, unless it is one of the
+    /// device's own hubs (those stay for Welcomes and key packages).
+    async fn gc_link(&self, hub: &str) {
+        let used = lock(&self.shared.peers).keys().any(|(_, h)| h == hub);
+        if used {
+            return;
+        }
+        let link = lock(&self.shared.links).remove(hub);
+        if let Some(l) = link {
+            l.stop().await;
+        }
+    }
+
+    fn add_binding_peer(&self, group: GroupId, hub: &str) {
+        let key = (group, hub.to_string());
+        if lock(&self.shared.peers).contains_key(&key) {
+            return;
+        }
+        let Some(topics_rx) = lock(&self.shared.topics).get(&group).map(|t| t.subscribe()) else {
+            return;
+        };
+        let link = self.hub_link(hub);
+        let cancel = self.shared.shutdown.child_token();
+        let peer = GroupPeer {
+            group,
+            hub: hub.to_string(),
+            link: link.clone(),
+            cancel: cancel.clone(),
+        };
+        lock(&self.shared.peers).insert(key, peer);
+        let me = self.clone();
+        let hub = hub.to_string();
+        self.shared
+            .tasks
+            .spawn(async move { me.run_peer(group, hub, link, topics_rx, cancel).await });
+    }
+
+    /// The peer for one (group, hub), if it exists.
+    pub fn peer(&self, group: GroupId, hub: &str) -> Option<GroupPeer> {
+        lock(&self.shared.peers)
+            .get(&(group, hub.trim_end_matches('/').to_string()))
+            .cloned()
+    }
+
+    /// Hubs this device has links to.
+    pub fn hubs(&self) -> Vec<String> {
+        let links = lock(&self.shared.links);
+        let set: BTreeSet<String> = links.keys().cloned().collect();
+        set.into_iter().collect()
+    }
+
+    /// Try every hub now rather than when its backoff says, and answer
+    /// whether any is connected afterwards (waiting up to `wait`).
+    pub async fn retry_hubs(&self, wait: Duration) -> bool {
+        let links: Vec<HubLink> = lock(&self.shared.links).values().cloned().collect();
+        for l in &links {
+            l.retry_now();
+        }
+        let waits = links.iter().map(|l| l.wait_connected(wait));
+        futures::future::join_all(waits)
+            .await
+            .into_iter()
+            .any(|c| c)
+    }
+
+    /// Publish a new app-topic set to a group's peers.
+    pub(super) fn publish_topics(&self, rec: &GroupRecord) {
+        if let Some(tx) = lock(&self.shared.topics).get(&rec.id) {
+            tx.send_if_modified(|t| {
+                let new = GroupTopics::of(rec);
+                if *t == new {
+                    false
+                } else {
+                    *t = new;
+                    true
+                }
+            });
+        }
+    }
+
+    /// Dispose every peer and link and wait for every task.
+    pub async fn stop(&self) {
+        self.shared.shutdown.cancel();
+        self.shared.tasks.close();
+        self.shared.tasks.wait().await;
+        let links: Vec<HubLink> = lock(&self.shared.links).drain().map(|(_, l)| l).collect();
+        for l in links {
+            l.stop().await;
+        }
+        lock(&self.shared.peers).clear();
+        lock(&self.shared.topics).clear();
+    }
+
+    /// Accept a Welcome envelope addressed to this device: join the group,
+    /// record its hubs, and start its peers. A Welcome for a group already
+    /// joined is ignored (Welcomes are delivered at least once).
+    async fn accept_welcome(&self, payload: &[u8]) -> Result<(), DeviceError> {
+        let env = WelcomeEnvelope::open(payload).map_err(|e| DeviceError::Mls(e.to_string()))?;
+        let joined = self.join(&env).await?;
+        if joined {
+            self.add_group(env.group).await?;
+        }
+        Ok(())
+    }
+
+    pub(super) fn next_message_id(&self) -> [u8; 16] {
+        let mut id = [0u8; 16];
+        self.shared.rng.fill(&mut id);
+        id
+    }
+
+    /// Keep `pool` key packages on the hub behind `link`, plus a last resort.
+    async fn restock_key_packages(&self, link: &HubLink) -> Result<(), DeviceError> {
+        // A Welcome goes to a mailbox, which only reaches current
+        // subscribers: be subscribed before anyone can claim a package.
+        link.flush_subscriptions()
+            .await
+            .map_err(|e| hub_error(link.url(), e))?;
+        let (pool, has_last) = link
+            .key_package_status()
+            .await
+            .map_err(|e| hub_error(link.url(), e))?;
+        let want = self.shared.config.key_packages;
+        if pool >= want && has_last {
+            return Ok(());
+        }
+        let n = want.saturating_sub(pool) as usize;
+        let (packages, last) = self.make_key_packages(n, !has_last)?;
+        link.upload_key_packages(packages, last)
+            .await
+            .map_err(|e| hub_error(link.url(), e))?;
+        Ok(())
+    }
+}

@@ -1,0 +1,832 @@
+//! What a group peer does with what arrives: commits applied in hub order,
+//! app frames decrypted and delivered once, Welcomes joined.
+
+use super::error::DeviceError;
+use super::events::Event;
+use super::frames::{digest, AppMessage, WelcomeEnvelope};
+use super::identity::device_id_of;
+use super::link::HubLink;
+use super::manager::{hub_error, FutureFrames, GroupPeerManager, GroupTopics};
+use super::mls;
+use super::records::{GroupId, GroupRecord};
+use super::registry::{GroupGuard, OpProvider};
+use super::topics;
+use crate::kv::WriteBatch;
+use crate::wire::{DeviceId, TopicId};
+use openmls::prelude::tls_codec::{Deserialize as _, Serialize as _};
+use openmls::prelude::*;
+use openmls_traits::OpenMlsProvider;
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+use tokio::sync::{mpsc, watch};
+use tokio_util::sync::CancellationToken;
+
+/// Serialized pool key packages and, when asked for, a last-resort one.
+type KeyPackages = (Vec<Vec<u8>>, Option<Vec<u8>>);
+
+/// One frame for a peer to handle: pushed (with a delivery id to ack) or
+/// fetched during catch-up (no id).
+struct Item {
+    topic: TopicId,
+    payload: Vec<u8>,
+    ack: Option<u64>,
+}
+
+/// What applying one commit-topic frame did.
+enum FrameEffect {
+    /// An epoch already passed: skipped.
+    History,
+    /// Unreadable or refused by MLS: skipped and counted.
+    Poison,
+    /// Framed at a later epoch than ours: we missed something.
+    Ahead,
+    /// Merged; the roster changed when `roster` is set.
+    Merged { roster: bool },
+    /// The commit removed this device.
+    Removed,
+}
+
+impl GroupPeerManager {
+    /// The peer task of one (group, hub): keep the hub subscriptions equal to
+    /// the group's topics and handle each arriving frame.
+    pub(super) async fn run_peer(
+        &self,
+        group: GroupId,
+        hub: String,
+        link: HubLink,
+        mut topics_rx: watch::Receiver<GroupTopics>,
+        cancel: CancellationToken,
+    ) {
+        let (tx, mut rx) = mpsc::channel::<Item>(256);
+        let mut subs: HashMap<TopicId, tokio::task::JoinHandle<()>> = HashMap::new();
+        let mut first = true;
+        loop {
+            let t = topics_rx.borrow_and_update().clone();
+            let is_commit_hub = t.commit_hub == hub;
+            let mut wanted: Vec<TopicId> = t.app.clone();
+            if is_commit_hub {
+                wanted.push(t.commit.clone());
+            }
+            for topic in &wanted {
+                if subs.contains_key(topic) {
+                    continue;
+                }
+                let mut r = link.subscribe(topic.clone(), None);
+                let fwd = tx.clone();
+                let tp = topic.clone();
+                subs.insert(
+                    topic.clone(),
+                    tokio::spawn(async move {
+                        while let Some(d) = r.recv().await {
+                            let item = Item {
+                                topic: tp.clone(),
+                                payload: d.payload,
+                                ack: Some(d.id),
+                            };
+                            if fwd.send(item).await.is_err() {
+                                break;
+                            }
+                        }
+                    }),
+                );
+                if *topic != t.commit {
+                    // Frames published before we subscribed are only in
+                    // the log: read it once.
+                    self.spawn_catch_up(link.clone(), topic.clone(), tx.clone(), cancel.clone());
+                }
+            }
+            let stale: Vec<TopicId> = subs
+                .keys()
+                .filter(|k| !wanted.contains(k))
+                .cloned()
+                .collect();
+            for topic in stale {
+                if let Some(h) = subs.remove(&topic) {
+                    h.abort();
+                }
+                link.unsubscribe(&topic).await;
+            }
+            if first && is_commit_hub {
+                let _ = tx
+                    .send(Item {
+                        topic: t.commit.clone(),
+                        payload: Vec::new(),
+                        ack: None,
+                    })
+                    .await;
+            }
+            first = false;
+            tokio::select! {
+                _ = cancel.cancelled() => break,
+                r = topics_rx.changed() => if r.is_err() { break },
+                item = rx.recv() => {
+                    let Some(item) = item else { break };
+                    let r = if item.topic == t.commit {
+                        self.pull(group).await.map(|_| ())
+                    } else {
+                        self.receive_app(group, &item.payload, Some((&hub, &item.topic))).await
+                    };
+                    match r {
+                        Ok(()) | Err(DeviceError::UnknownGroup(_)) => {
+                            if let Some(id) = item.ack {
+                                link.ack(vec![id]).await;
+                            }
+                        }
+                        // Not acked: the hub delivers it again later.
+                        Err(e) => tracing::warn!(%group, hub = %hub, error = %e, "frame not handled"),
+                    }
+                }
+            }
+        }
+        for (_, h) in subs {
+            h.abort();
+        }
+    }
+
+    fn spawn_catch_up(
+        &self,
+        link: HubLink,
+        topic: TopicId,
+        tx: mpsc::Sender<Item>,
+        cancel: CancellationToken,
+    ) {
+        self.shared.tasks.spawn(async move {
+            let mut after = 0;
+            loop {
+                let page = tokio::select! {
+                    _ = cancel.cancelled() => return,
+                    p = link.fetch(&topic, after, 200) => p,
+                };
+                match page {
+                    Ok(f) => {
+                        let done = f.messages.len() < 200;
+                        for m in f.messages {
+                            after = m.seq;
+                            let item = Item {
+                                topic: topic.clone(),
+                                payload: m.payload,
+                                ack: None,
+                            };
+                            if tx.send(item).await.is_err() {
+                                return;
+                            }
+                        }
+                        if done {
+                            return;
+                        }
+                    }
+                    Err(_) => {
+                        tokio::select! {
+                            _ = cancel.cancelled() => return,
+                            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                        }
+                    }
+                }
+            }
+        });
+    }
+
+    /// Pull the group's commit topic to its end and apply it. Answers the
+    /// hub's head.
+    ///
+    /// # Errors
+    /// `UnknownGroup`, a hub error, or the store's error.
+    pub async fn pull(&self, group: GroupId) -> Result<Option<u64>, DeviceError> {
+        // Look first without the group's lock: an unreachable commit hub or
+        // a log with nothing new must not hold up sends and app frames.
+        let seen = self
+            .shared
+            .records
+            .group(&group)?
+            .ok_or(DeviceError::UnknownGroup(group))?;
+        let f = self
+            .hub_link(&seen.commit_hub)
+            .fetch(&topics::commit_topic(&group.0), seen.commit_cursor, 1)
+            .await
+            .map_err(|e| hub_error(&seen.commit_hub, e))?;
+        if f.messages.is_empty() && !f.gap {
+            return Ok(f.head);
+        }
+        let mut guard = self.shared.registry.lock(group).await;
+        let mut rec = self
+            .shared
+            .records
+            .group(&group)?
+            .ok_or(DeviceError::UnknownGroup(group))?;
+        self.pull_locked(&mut guard, &mut rec).await
+    }
+
+    /// [`pull`](Self::pull) with the group's lock held by the caller.
+    pub(super) async fn pull_locked(
+        &self,
+        guard: &mut GroupGuard,
+        rec: &mut GroupRecord,
+    ) -> Result<Option<u64>, DeviceError> {
+        let link = self.hub_link(&rec.commit_hub);
+        let topic = topics::commit_topic(&rec.id.0);
+        loop {
+            let f = link
+                .fetch(&topic, rec.commit_cursor, 100)
+                .await
+                .map_err(|e| hub_error(&rec.commit_hub, e))?;
+            if f.gap {
+                if !rec.stranded {
+                    rec.stranded = true;
+                    self.save_record(guard, rec)?;
+                    self.emit(Event::Stranded { group: rec.id });
+                }
+                return Ok(f.head);
+            }
+            if f.messages.is_empty() {
+                return Ok(f.head);
+            }
+            for m in f.messages {
+                let effect = self.apply_commit_frame(guard, rec, &m.payload)?;
+                rec.commit_cursor = m.seq;
+                match effect {
+                    FrameEffect::History => self.save_record(guard, rec)?,
+                    FrameEffect::Poison => {
+                        rec.poison += 1;
+                        self.shared.counters.poison.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(group = %rec.id, seq = m.seq, "poison frame on the commit topic skipped");
+                        self.save_record(guard, rec)?;
+                    }
+                    FrameEffect::Ahead => {
+                        let first = !rec.stranded;
+                        rec.stranded = true;
+                        self.save_record(guard, rec)?;
+                        if first {
+                            self.emit(Event::Stranded { group: rec.id });
+                        }
+                        return Ok(f.head);
+                    }
+                    FrameEffect::Merged { roster } => {
+                        self.after_merge(guard, rec, roster)?;
+                    }
+                    FrameEffect::Removed => {
+                        self.leave(guard, rec.id).await?;
+                        return Ok(f.head);
+                    }
+                }
+            }
+        }
+    }
+
+    fn save_record(&self, guard: &mut GroupGuard, rec: &GroupRecord) -> Result<(), DeviceError> {
+        let mut b = WriteBatch::new();
+        self.shared.records.put_group(&mut b, rec);
+        guard.finish(b)?;
+        Ok(())
+    }
+
+    /// After a merge: rotate the app topic if the roster changed, persist the
+    /// record with the MLS state, tell the app, and read any frames that
+    /// waited for this epoch.
+    pub(super) fn after_merge(
+        &self,
+        guard: &mut GroupGuard,
+        rec: &mut GroupRecord,
+        roster: bool,
+    ) -> Result<(), DeviceError> {
+        if roster {
+            let topic = self.current_app_topic(guard)?;
+            rec.rotate_app_topic(topic);
+        }
+        let epoch = guard.read(|g| g.epoch().as_u64())?;
+        let mut b = WriteBatch::new();
+        self.shared.records.put_group(&mut b, rec);
+        // Frames of epochs older than the kept window can no longer be read
+        // anyway: their inbox entries are dead weight.
+        let keep_from = epoch.saturating_sub(mls::MAX_PAST_EPOCHS as u64 + 1);
+        self.shared
+            .records
+            .prune_inbox(&mut b, &rec.id, keep_from)?;
+        guard.finish(b)?;
+        self.publish_topics(rec);
+        self.emit(Event::EpochChanged {
+            group: rec.id,
+            epoch,
+        });
+        if roster {
+            let members = self.members_of(guard)?;
+            self.emit(Event::MembersChanged {
+                group: rec.id,
+                members,
+            });
+        }
+        self.retry_future_frames(guard, rec)?;
+        Ok(())
+    }
+
+    /// The app topic of the group's current epoch.
+    pub(super) fn current_app_topic(&self, guard: &mut GroupGuard) -> Result<TopicId, DeviceError> {
+        let crypto = self.shared.registry.provider().crypto();
+        let secret = guard
+            .read(|g| g.export_secret(crypto, mls::APP_TOPIC_LABEL, &[], 32))?
+            .map_err(|e| DeviceError::Mls(e.to_string()))?;
+        Ok(topics::app_topic(&secret))
+    }
+
+    pub(super) fn members_of(&self, guard: &mut GroupGuard) -> Result<Vec<DeviceId>, DeviceError> {
+        Ok(guard.read(|g| {
+            let mut m: Vec<DeviceId> = g
+                .members()
+                .filter_map(|m| device_id_of(&m.credential))
+                .collect();
+            m.sort();
+            m
+        })?)
+    }
+
+    fn apply_commit_frame(
+        &self,
+        guard: &mut GroupGuard,
+        rec: &GroupRecord,
+        payload: &[u8],
+    ) -> Result<FrameEffect, DeviceError> {
+        let Ok(msg) = MlsMessageIn::tls_deserialize_exact(payload) else {
+            return Ok(FrameEffect::Poison);
+        };
+        let Ok(pm) = msg.try_into_protocol_message() else {
+            return Ok(FrameEffect::Poison);
+        };
+        if pm.group_id().as_slice() != rec.id.0 {
+            return Ok(FrameEffect::Poison);
+        }
+        let ours = guard.read(|g| g.epoch().as_u64())?;
+        let theirs = pm.epoch().as_u64();
+        if theirs < ours {
+            return Ok(FrameEffect::History);
+        }
+        if theirs > ours {
+            return Ok(FrameEffect::Ahead);
+        }
+        let before = guard.read(|g| g.epoch_authenticator().as_slice().to_vec())?;
+        let processed = guard.with(|g, p| g.process_message(p, pm))?;
+        let staged = match processed.map(|p| p.into_content()) {
+            Ok(ProcessedMessageContent::StagedCommitMessage(s)) => s,
+            Ok(_) | Err(_) => {
+                guard.discard();
+                return Ok(FrameEffect::Poison);
+            }
+        };
+        let roster =
+            staged.add_proposals().next().is_some() || staged.remove_proposals().next().is_some();
+        if staged.self_removed() {
+            return Ok(FrameEffect::Removed);
+        }
+        if guard
+            .with(|g, p| g.merge_staged_commit(p, *staged))?
+            .is_err()
+        {
+            guard.discard();
+            return Ok(FrameEffect::Poison);
+        }
+        let after = guard.read(|g| g.epoch_authenticator().as_slice().to_vec())?;
+        if after == before {
+            guard.discard();
+            return Err(super::registry::RegistryError::MergeDidNotAdvance(rec.id).into());
+        }
+        Ok(FrameEffect::Merged { roster })
+    }
+
+    /// Forget a group this device was removed from: its MLS state (every
+    /// secret of every epoch), records and peers.
+    pub(super) async fn leave(
+        &self,
+        guard: &mut GroupGuard,
+        group: GroupId,
+    ) -> Result<(), DeviceError> {
+        guard.discard();
+        let purge = guard.with(|g, p| {
+            let _ = g.delete(p.storage());
+            p.storage().purge_group(&group.to_mls())
+        })?;
+        purge.map_err(|e| DeviceError::Store(e.to_string()))?;
+        let mut b = WriteBatch::new();
+        self.shared.records.delete_group(&mut b, &group)?;
+        guard.finish(b)?;
+        guard.discard();
+        self.shared.registry.forget(&group);
+        self.remove_group(group).await;
+        self.emit(Event::Removed { group });
+        Ok(())
+    }
+
+    /// Handle one app frame: deduplicate, decrypt, deliver once. `via` names
+    /// the hub and topic it came on; with forwarding on, a frame delivered
+    /// here for the first time is re-broadcast to the group's other hubs.
+    ///
+    /// # Errors
+    /// `UnknownGroup` when the group is gone, or the store's error.
+    pub async fn receive_app(
+        &self,
+        group: GroupId,
+        payload: &[u8],
+        via: Option<(&str, &TopicId)>,
+    ) -> Result<(), DeviceError> {
+        let mut guard = self.shared.registry.lock(group).await;
+        let Some(rec) = self.shared.records.group(&group)? else {
+            return Err(DeviceError::UnknownGroup(group));
+        };
+        let mut b = WriteBatch::new();
+        let events = self.receive_locked(&mut guard, group, payload, &mut b)?;
+        let mut forwarded = false;
+        if let (true, Some((from, topic))) = (self.shared.config.forwarding, via) {
+            for e in &events {
+                if let Event::MessageReceived { id, .. } = e {
+                    // The original sender's publish id, so a hub that already
+                    // has the frame answers Duplicate instead of storing it twice.
+                    let publish = crate::wire::Publish {
+                        topic: topic.clone(),
+                        publish_id: super::frames::publish_id(id, topic),
+                        class: crate::wire::RetentionClass::Log,
+                        expected_head: crate::wire::ExpectedHead::Unconditional,
+                        replay_only: false,
+                        retention_secs: None,
+                        payload: payload.to_vec(),
+                    };
+                    for hub in rec.hubs.iter().filter(|h| h.as_str() != from) {
+                        self.shared
+                            .outbox
+                            .stage(&mut b, hub, &publish)
+                            .map_err(|e| DeviceError::Store(e.to_string()))?;
+                        forwarded = true;
+                    }
+                }
+            }
+        }
+        guard.finish(b)?;
+        drop(guard);
+        if forwarded {
+            self.shared.outbox.wake();
+        }
+        for e in events {
+            self.emit(e);
+        }
+        Ok(())
+    }
+
+    fn receive_locked(
+        &self,
+        guard: &mut GroupGuard,
+        group: GroupId,
+        payload: &[u8],
+        b: &mut WriteBatch,
+    ) -> Result<Vec<Event>, DeviceError> {
+        let c = &self.shared.counters;
+        let d = digest(payload);
+        let skip_dedup = self.shared.faults.skip_dedup.load(Ordering::Relaxed);
+        if !skip_dedup && self.shared.records.seen_frame(&group, &d)? {
+            c.duplicates.fetch_add(1, Ordering::Relaxed);
+            return Ok(vec![]);
+        }
+        let ours = guard.read(|g| g.epoch().as_u64())?;
+        let pm = MlsMessageIn::tls_deserialize_exact(payload)
+            .ok()
+            .and_then(|m| m.try_into_protocol_message().ok())
+            .filter(|pm| pm.group_id().as_slice() == group.0);
+        let Some(pm) = pm else {
+            c.dropped.fetch_add(1, Ordering::Relaxed);
+            self.shared.records.mark_frame(b, &group, &d, ours);
+            return Ok(vec![]);
+        };
+        if pm.epoch().as_u64() > ours {
+            match self.shared.config.future_frames {
+                FutureFrames::Persist => self.shared.records.keep_future(b, &group, &d, payload),
+                FutureFrames::Drop => {
+                    c.dropped.fetch_add(1, Ordering::Relaxed);
+                    self.shared.records.mark_frame(b, &group, &d, ours);
+                }
+            }
+            return Ok(vec![]);
+        }
+        self.shared.records.mark_frame(b, &group, &d, ours);
+        let processed = guard.with(|g, p| g.process_message(p, pm))?;
+        let processed = match processed {
+            Ok(p) => p,
+            Err(e) => {
+                // Too old, or a secret already used: either way this frame
+                // can never be read now.
+                tracing::debug!(%group, error = %e, "app frame unreadable");
+                c.dropped.fetch_add(1, Ordering::Relaxed);
+                return Ok(vec![]);
+            }
+        };
+        let sender = device_id_of(processed.credential());
+        let ProcessedMessageContent::ApplicationMessage(am) = processed.into_content() else {
+            return Ok(vec![]);
+        };
+        let (Some(sender), Ok(msg)) =
+            (sender, postcard::from_bytes::<AppMessage>(&am.into_bytes()))
+        else {
+            c.dropped.fetch_add(1, Ordering::Relaxed);
+            return Ok(vec![]);
+        };
+        let body_digest = digest(&msg.body);
+        match self.shared.records.message(&group, &msg.id)? {
+            Some(known) if !skip_dedup => {
+                if known == body_digest {
+                    c.duplicates.fetch_add(1, Ordering::Relaxed);
+                    Ok(vec![])
+                } else {
+                    Ok(vec![Event::Conflict { group, id: msg.id }])
+                }
+            }
+            _ => {
+                self.shared
+                    .records
+                    .mark_message(b, &group, &msg.id, &body_digest);
+                c.delivered.fetch_add(1, Ordering::Relaxed);
+                Ok(vec![Event::MessageReceived {
+                    group,
+                    sender,
+                    id: msg.id,
+                    body: msg.body,
+                }])
+            }
+        }
+    }
+
+    /// Read the frames that waited for an epoch we have now reached.
+    fn retry_future_frames(
+        &self,
+        guard: &mut GroupGuard,
+        rec: &GroupRecord,
+    ) -> Result<(), DeviceError> {
+        let kept = self.shared.records.future_frames(&rec.id)?;
+        if kept.is_empty() {
+            return Ok(());
+        }
+        let ours = guard.read(|g| g.epoch().as_u64())?;
+        let mut b = WriteBatch::new();
+        let mut events = Vec::new();
+        for (k, frame) in kept {
+            let epoch = MlsMessageIn::tls_deserialize_exact(&frame)
+                .ok()
+                .and_then(|m| m.try_into_protocol_message().ok())
+                .map(|pm| pm.epoch().as_u64());
+            if epoch.is_some_and(|e| e > ours) {
+                continue;
+            }
+            b.delete(k);
+            events.extend(self.receive_locked(guard, rec.id, &frame, &mut b)?);
+        }
+        guard.finish(b)?;
+        for e in events {
+            self.emit(e);
+        }
+        Ok(())
+    }
+
+    /// Join the group of a Welcome envelope. Answers false when the group is
+    /// already joined.
+    pub(super) async fn join(&self, env: &WelcomeEnvelope) -> Result<bool, DeviceError> {
+        let mut guard = self.shared.registry.lock(env.group).await;
+        if self.shared.records.group(&env.group)?.is_some() && guard.exists()? {
+            return Ok(false);
+        }
+        let body = MlsMessageIn::tls_deserialize_exact(&env.welcome)
+            .map_err(|e| DeviceError::Mls(e.to_string()))?
+            .extract();
+        let MlsMessageBodyIn::Welcome(welcome) = body else {
+            return Err(DeviceError::Mls("the envelope holds no Welcome".into()));
+        };
+        let group = {
+            let p = guard.provider();
+            StagedWelcome::new_from_welcome(p, &mls::join_config(), welcome, None)
+                .map_err(|e| DeviceError::Mls(e.to_string()))?
+                .into_group(p)
+                .map_err(|e| DeviceError::Mls(e.to_string()))?
+        };
+        if group.group_id().as_slice() != env.group.0 {
+            guard.discard();
+            return Err(DeviceError::Mls(
+                "Welcome is for another group than its envelope says".into(),
+            ));
+        }
+        if !group
+            .members()
+            .any(|m| device_id_of(&m.credential) == Some(env.inviter))
+        {
+            guard.discard();
+            return Err(DeviceError::Mls(
+                "the envelope's inviter is not a member".into(),
+            ));
+        }
+        guard.install(group);
+        let topic = self.current_app_topic(&mut guard)?;
+        let rec = GroupRecord {
+            id: env.group,
+            hubs: env
+                .hubs
+                .iter()
+                .map(|h| h.trim_end_matches('/').to_string())
+                .collect(),
+            commit_hub: env.commit_hub.trim_end_matches('/').to_string(),
+            commit_cursor: env.commit_seq,
+            app_topics: vec![topic],
+            stranded: false,
+            poison: 0,
+        };
+        self.save_record(&mut guard, &rec)?;
+        let epoch = guard.read(|g| g.epoch().as_u64())?;
+        let members = self.members_of(&mut guard)?;
+        drop(guard);
+        self.emit(Event::GroupJoined {
+            group: env.group,
+            epoch,
+        });
+        self.emit(Event::MembersChanged {
+            group: env.group,
+            members,
+        });
+        Ok(true)
+    }
+
+    /// Create a group bound to `hubs`; the first is its commit hub.
+    ///
+    /// # Errors
+    /// `NoHubs`, MLS or store errors.
+    pub async fn create_group(&self, hubs: &[String]) -> Result<GroupId, DeviceError> {
+        let mut bound: Vec<String> = Vec::new();
+        for h in hubs {
+            let h = h.trim_end_matches('/').to_string();
+            if !bound.contains(&h) {
+                bound.push(h);
+            }
+        }
+        let Some(commit_hub) = bound.first().cloned() else {
+            return Err(DeviceError::NoHubs);
+        };
+        let id = GroupId(self.shared.rng.bytes32());
+        let mut guard = self.shared.registry.lock(id).await;
+        let me = &self.shared.identity;
+        let group = {
+            let p = guard.provider();
+            MlsGroup::new_with_group_id(
+                p,
+                me.signature_key_pair(),
+                &mls::create_config(),
+                id.to_mls(),
+                me.credential_with_key(),
+            )
+            .map_err(|e| DeviceError::Mls(e.to_string()))?
+        };
+        guard.install(group);
+        let topic = self.current_app_topic(&mut guard)?;
+        let rec = GroupRecord {
+            id,
+            hubs: bound,
+            commit_hub,
+            commit_cursor: 0,
+            app_topics: vec![topic],
+            stranded: false,
+            poison: 0,
+        };
+        self.save_record(&mut guard, &rec)?;
+        drop(guard);
+        self.add_group(id).await?;
+        self.emit(Event::GroupJoined {
+            group: id,
+            epoch: 0,
+        });
+        Ok(id)
+    }
+
+    /// Encrypt `body` for the group and queue it durably for every hub of
+    /// the group. Answers the message id.
+    ///
+    /// # Errors
+    /// `UnknownGroup`, MLS or store errors. Hub outages are not errors: the
+    /// outbox delivers once the hub is back.
+    pub async fn broadcast(&self, group: GroupId, body: &[u8]) -> Result<[u8; 16], DeviceError> {
+        let mut guard = self.shared.registry.lock(group).await;
+        let rec = self
+            .shared
+            .records
+            .group(&group)?
+            .ok_or(DeviceError::UnknownGroup(group))?;
+        let id = self.next_message_id();
+        let plain = postcard::to_allocvec(&AppMessage {
+            id,
+            body: body.to_vec(),
+        })
+        .map_err(|e| DeviceError::Mls(e.to_string()))?;
+        let signer = self.shared.identity.signature_key_pair();
+        let out = guard
+            .with(|g, p| g.create_message(p, signer, &plain))?
+            .map_err(|e| DeviceError::Mls(e.to_string()))?;
+        let bytes = out
+            .tls_serialize_detached()
+            .map_err(|e| DeviceError::Mls(e.to_string()))?;
+        let Some(topic) = rec.app_topics.first().cloned() else {
+            return Err(DeviceError::Store("group record has no app topic".into()));
+        };
+        let epoch = guard.read(|g| g.epoch().as_u64())?;
+        let mut b = WriteBatch::new();
+        // Our own frame may come back (forwarding); it is already handled.
+        self.shared
+            .records
+            .mark_frame(&mut b, &group, &digest(&bytes), epoch);
+        self.shared
+            .records
+            .mark_message(&mut b, &group, &id, &digest(body));
+        let publish = crate::wire::Publish {
+            topic: topic.clone(),
+            publish_id: super::frames::publish_id(&id, &topic),
+            class: crate::wire::RetentionClass::Log,
+            expected_head: crate::wire::ExpectedHead::Unconditional,
+            replay_only: false,
+            retention_secs: None,
+            payload: bytes,
+        };
+        for hub in &rec.hubs {
+            self.shared
+                .outbox
+                .stage(&mut b, hub, &publish)
+                .map_err(|e| DeviceError::Store(e.to_string()))?;
+        }
+        guard.finish(b)?;
+        drop(guard);
+        self.shared.outbox.wake();
+        Ok(id)
+    }
+
+    /// Make `n` pool key packages (and a last-resort one when asked), their
+    /// private keys stored durably before they are returned.
+    pub(super) fn make_key_packages(
+        &self,
+        n: usize,
+        last_resort: bool,
+    ) -> Result<KeyPackages, DeviceError> {
+        let op = OpProvider::new(self.shared.registry.provider().clone());
+        let me = &self.shared.identity;
+        let build = |last: bool| -> Result<Vec<u8>, DeviceError> {
+            let mut builder = KeyPackage::builder().leaf_node_capabilities(mls::capabilities());
+            if last {
+                builder = builder.mark_as_last_resort();
+            }
+            let bundle = builder
+                .build(
+                    mls::CIPHERSUITE,
+                    &op,
+                    me.signature_key_pair(),
+                    me.credential_with_key(),
+                )
+                .map_err(|e| DeviceError::Mls(e.to_string()))?;
+            bundle
+                .key_package()
+                .tls_serialize_detached()
+                .map_err(|e| DeviceError::Mls(e.to_string()))
+        };
+        let mut pool = Vec::with_capacity(n);
+        for _ in 0..n {
+            pool.push(build(false)?);
+        }
+        let last = if last_resort {
+            Some(build(true)?)
+        } else {
+            None
+        };
+        let kv = self.shared.registry.provider().kv();
+        kv.apply(&op.take_batch())?;
+        kv.flush()?;
+        Ok((pool, last))
+    }
+
+    /// Members of a group.
+    ///
+    /// # Errors
+    /// `UnknownGroup`.
+    pub async fn members(&self, group: GroupId) -> Result<Vec<DeviceId>, DeviceError> {
+        let mut guard = self.shared.registry.lock(group).await;
+        self.members_of(&mut guard)
+    }
+
+    /// A group's epoch and epoch authenticator.
+    ///
+    /// # Errors
+    /// `UnknownGroup`.
+    pub async fn epoch(&self, group: GroupId) -> Result<(u64, Vec<u8>), DeviceError> {
+        let mut guard = self.shared.registry.lock(group).await;
+        Ok(guard.read(|g| {
+            (
+                g.epoch().as_u64(),
+                g.epoch_authenticator().as_slice().to_vec(),
+            )
+        })?)
+    }
+
+    /// The engine's record of a group.
+    ///
+    /// # Errors
+    /// `UnknownGroup`.
+    pub fn record(&self, group: GroupId) -> Result<GroupRecord, DeviceError> {
+        self.shared
+            .records
+            .group(&group)?
+            .ok_or(DeviceError::UnknownGroup(group))
+    }
+}

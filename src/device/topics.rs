@@ -1,0 +1,56 @@
+//! The hub topics of a group, derived so that no hub learns the group.
+//!
+//! The commit and rendezvous topics come from the group id, which is fixed at
+//! creation and carried in every Welcome and GroupInfo, so a member stranded
+//! at any epoch can still find them. The app topic comes from the MLS
+//! exporter secret of the epoch of the last roster change, so it rotates when
+//! membership changes and a removed member cannot compute the next one.
+
+use crate::wire::{DeviceId, TopicId};
+use sha2::{Digest, Sha256};
+
+/// Exporter label of the app topic secret.
+pub const APP_TOPIC_LABEL: &str = "hubsync app topic v1";
+
+fn derive(domain: &[u8], input: &[u8]) -> TopicId {
+    let mut h = Sha256::new();
+    h.update(b"hubsync/topic/v1/");
+    h.update(domain);
+    h.update([0]);
+    h.update(input);
+    TopicId(h.finalize().to_vec())
+}
+
+/// The group's commit log (never rotates).
+pub fn commit_topic(group_id: &[u8]) -> TopicId {
+    derive(b"commit", group_id)
+}
+
+/// The group's rendezvous mailbox (never rotates).
+pub fn rendezvous_topic(group_id: &[u8]) -> TopicId {
+    derive(b"rendezvous", group_id)
+}
+
+/// The app topic for an exporter secret drawn at a roster change.
+pub fn app_topic(exporter_secret: &[u8]) -> TopicId {
+    derive(b"app", exporter_secret)
+}
+
+/// A device's own mailbox for Welcomes.
+pub fn welcome_topic(device: &DeviceId) -> TopicId {
+    derive(b"welcome", device.as_bytes())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn topics_are_distinct_and_stable() {
+        let g = [7u8; 32];
+        assert_ne!(commit_topic(&g), rendezvous_topic(&g));
+        assert_eq!(commit_topic(&g), commit_topic(&g));
+        assert_ne!(commit_topic(&g), commit_topic(&[8u8; 32]));
+        assert_eq!(commit_topic(&g).0.len(), 32);
+    }
+}

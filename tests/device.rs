@@ -1,0 +1,397 @@
+//! The device side end to end: real hubs over loopback, real devices in
+//! temporary directories.
+
+use hubsync::device::{Event, GroupId};
+use hubsync::testkit::{TestDevice, TestHub};
+use hubsync::wire::DeviceId;
+use std::collections::HashMap;
+use std::time::Duration;
+use tokio::sync::broadcast;
+
+const WAIT: Duration = Duration::from_secs(20);
+
+/// Collects a device's message events as they come.
+struct Inbox {
+    rx: broadcast::Receiver<Event>,
+    got: HashMap<[u8; 16], (DeviceId, Vec<u8>, u32)>,
+    events: Vec<Event>,
+}
+
+impl Inbox {
+    fn new(d: &TestDevice) -> Self {
+        Self {
+            rx: d.events(),
+            got: HashMap::new(),
+            events: Vec::new(),
+        }
+    }
+
+    fn take(&mut self, e: Event) {
+        if let Event::MessageReceived {
+            sender, id, body, ..
+        } = &e
+        {
+            self.got
+                .entry(*id)
+                .and_modify(|(_, _, n)| *n += 1)
+                .or_insert((*sender, body.clone(), 1));
+        }
+        self.events.push(e);
+    }
+
+    /// Wait until `pred` holds over what arrived, or fail after `WAIT`.
+    async fn until(&mut self, what: &str, pred: impl Fn(&Inbox) -> bool) {
+        let deadline = tokio::time::Instant::now() + WAIT;
+        while !pred(self) {
+            match tokio::time::timeout_at(deadline, self.rx.recv()).await {
+                Ok(Ok(e)) => self.take(e),
+                Ok(Err(broadcast::error::RecvError::Lagged(n))) => panic!("lagged by {n} events"),
+                Ok(Err(e)) => panic!("event channel closed: {e}"),
+                Err(_) => panic!(
+                    "timed out waiting for {what}; have {} messages",
+                    self.got.len()
+                ),
+            }
+        }
+    }
+
+    /// Drain what arrives in the next `d`.
+    async fn settle(&mut self, d: Duration) {
+        let deadline = tokio::time::Instant::now() + d;
+        while let Ok(Ok(e)) = tokio::time::timeout_at(deadline, self.rx.recv()).await {
+            self.take(e);
+        }
+    }
+
+    fn joined(&self, g: GroupId) -> bool {
+        self.events
+            .iter()
+            .any(|e| matches!(e, Event::GroupJoined { group, .. } if *group == g))
+    }
+
+    fn has(&self, body: &[u8]) -> bool {
+        self.got.values().any(|(_, b, _)| b == body)
+    }
+}
+
+async fn hubs(n: usize) -> Vec<TestHub> {
+    let mut v = Vec::new();
+    for _ in 0..n {
+        v.push(TestHub::start().await.unwrap());
+    }
+    v
+}
+
+fn urls(h: &[TestHub]) -> Vec<String> {
+    h.iter().map(|h| h.url().to_string()).collect()
+}
+
+/// Create a group on `creator` and bring every other device in.
+async fn group_of(
+    creator: &TestDevice,
+    others: &mut [(&TestDevice, &mut Inbox)],
+    hubs: &[String],
+) -> GroupId {
+    let g = creator.create_group(hubs).await.unwrap();
+    for (d, inbox) in others.iter_mut() {
+        invite_with_retry(creator, g, d.id()).await;
+        inbox.until("the welcome", |i| i.joined(g)).await;
+    }
+    g
+}
+
+/// A just-opened device may not have uploaded key packages yet.
+async fn invite_with_retry(by: &TestDevice, g: GroupId, who: DeviceId) {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        match by.invite(g, who).await {
+            Ok(_) => return,
+            Err(hubsync::device::DeviceError::NoKeyPackage(_))
+                if tokio::time::Instant::now() < deadline =>
+            {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("invite failed: {e}"),
+        }
+    }
+}
+
+async fn converge(devices: &[&TestDevice], g: GroupId) -> (u64, Vec<u8>) {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let mut states = Vec::new();
+        for d in devices {
+            states.push((
+                d.epoch(g).await.unwrap(),
+                d.epoch_authenticator(g).await.unwrap(),
+            ));
+        }
+        if states.windows(2).all(|w| w[0] == w[1]) {
+            return states.remove(0);
+        }
+        if tokio::time::Instant::now() > deadline {
+            panic!(
+                "no convergence: {:?}",
+                states.iter().map(|s| s.0).collect::<Vec<_>>()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_devices_on_two_hubs_get_every_message_once() {
+    let hubs = hubs(2).await;
+    let u = urls(&hubs);
+    let (a, b, c) = (
+        TestDevice::open(&u).await.unwrap(),
+        TestDevice::open(&u).await.unwrap(),
+        TestDevice::open(&u).await.unwrap(),
+    );
+    let (mut ia, mut ib, mut ic) = (Inbox::new(&a), Inbox::new(&b), Inbox::new(&c));
+    let g = group_of(&a, &mut [(&b, &mut ib), (&c, &mut ic)], &u).await;
+    assert_eq!(a.members(g).await.unwrap().len(), 3);
+    converge(&[&a, &b, &c], g).await;
+    for (i, d) in [&a, &b, &c].iter().enumerate() {
+        for n in 0..5 {
+            d.send(g, format!("from {i} #{n}").as_bytes())
+                .await
+                .unwrap();
+        }
+    }
+    for (inbox, me) in [(&mut ia, 0), (&mut ib, 1), (&mut ic, 2)] {
+        inbox.until("10 messages", |i| i.got.len() >= 10).await;
+        inbox.settle(Duration::from_millis(300)).await;
+        assert_eq!(inbox.got.len(), 10, "device {me}");
+        assert!(
+            inbox.got.values().all(|(_, _, n)| *n == 1),
+            "a message was delivered twice"
+        );
+        assert!(
+            !inbox.has(format!("from {me} #0").as_bytes()),
+            "own message delivered back"
+        );
+    }
+    // Each message travelled through both hubs; the second copy was dropped.
+    let dups: u64 = [&a, &b, &c].iter().map(|d| d.stats().duplicates).sum();
+    assert!(
+        dups >= 20,
+        "expected the second hub's copies to be suppressed, got {dups}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_commits_converge_on_one_epoch() {
+    let hubs = hubs(1).await;
+    let u = urls(&hubs);
+    let mut devs = Vec::new();
+    for _ in 0..4 {
+        devs.push(TestDevice::open(&u).await.unwrap());
+    }
+    let mut inboxes: Vec<Inbox> = devs.iter().map(Inbox::new).collect();
+    let (first, rest) = devs.split_at(1);
+    let (_, rest_inboxes) = inboxes.split_at_mut(1);
+    let mut others: Vec<(&TestDevice, &mut Inbox)> =
+        rest.iter().zip(rest_inboxes.iter_mut()).collect();
+    let g = group_of(&first[0], &mut others, &u).await;
+    let all: Vec<&TestDevice> = devs.iter().collect();
+    let (before, _) = converge(&all, g).await;
+    let results = futures::future::join_all(devs.iter().map(|d| d.rotate_keys(g))).await;
+    for r in &results {
+        r.as_ref().unwrap();
+    }
+    let (epoch, _) = converge(&all, g).await;
+    assert_eq!(
+        epoch,
+        before + 4,
+        "each of the four commits landed in its own epoch"
+    );
+    let lost: u64 = devs.iter().map(|d| d.stats().lost_races).sum();
+    assert!(lost > 0 || results.iter().all(|r| r.as_ref().unwrap().attempts == 1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_device_reopened_from_its_directory_resumes_without_loss_or_repeats() {
+    let hubs = hubs(1).await;
+    let u = urls(&hubs);
+    let a = TestDevice::open(&u).await.unwrap();
+    let mut b = TestDevice::open(&u).await.unwrap();
+    let mut ib = Inbox::new(&b);
+    let g = group_of(&a, &mut [(&b, &mut ib)], &u).await;
+    converge(&[&a, &b], g).await;
+    for n in 0..3 {
+        a.send(g, format!("before {n}").as_bytes()).await.unwrap();
+    }
+    ib.until("3 messages", |i| i.got.len() >= 3).await;
+    b.close().await;
+    for n in 0..3 {
+        a.send(g, format!("while closed {n}").as_bytes())
+            .await
+            .unwrap();
+    }
+    a.rotate_keys(g).await.unwrap();
+    a.send(g, b"after rotate").await.unwrap();
+    b.reopen().await.unwrap();
+    let mut ib = Inbox::new(&b);
+    ib.until("4 new messages", |i| i.got.len() >= 4).await;
+    ib.settle(Duration::from_millis(500)).await;
+    let bodies: Vec<&Vec<u8>> = ib.got.values().map(|(_, b, _)| b).collect();
+    assert_eq!(
+        ib.got.len(),
+        4,
+        "nothing repeated from before the restart: {bodies:?}"
+    );
+    assert!(ib.has(b"after rotate"));
+    assert!(ib.got.values().all(|(_, _, n)| *n == 1));
+    converge(&[&a, &b], g).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sends_wait_in_the_outbox_while_the_hub_is_down() {
+    let dir = tempfile::tempdir().unwrap();
+    let hub = TestHub::start_at(dir.path(), "127.0.0.1:0", |_| {})
+        .await
+        .unwrap();
+    let addr = hub.addr().to_string();
+    let u = vec![hub.url().to_string()];
+    let a = TestDevice::open(&u).await.unwrap();
+    let b = TestDevice::open(&u).await.unwrap();
+    let mut ib = Inbox::new(&b);
+    let g = group_of(&a, &mut [(&b, &mut ib)], &u).await;
+    converge(&[&a, &b], g).await;
+    hub.stop().await;
+    for n in 0..3 {
+        a.send(g, format!("queued {n}").as_bytes()).await.unwrap();
+    }
+    assert_eq!(a.manager().outbox().pending().unwrap(), 3);
+    let hub = TestHub::start_at(dir.path(), &addr, |_| {}).await.unwrap();
+    ib.until("3 queued messages", |i| i.got.len() >= 3).await;
+    ib.settle(Duration::from_millis(300)).await;
+    assert_eq!(ib.got.len(), 3);
+    assert!(ib.got.values().all(|(_, _, n)| *n == 1));
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while !a.manager().outbox().is_drained().unwrap() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "outbox never drained"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    hub.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hub_restarted_mid_stream_loses_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let h1 = TestHub::start_at(dir.path(), "127.0.0.1:0", |_| {})
+        .await
+        .unwrap();
+    let addr = h1.addr().to_string();
+    let u = vec![h1.url().to_string()];
+    let a = TestDevice::open(&u).await.unwrap();
+    let b = TestDevice::open(&u).await.unwrap();
+    let mut ib = Inbox::new(&b);
+    let g = group_of(&a, &mut [(&b, &mut ib)], &u).await;
+    converge(&[&a, &b], g).await;
+    for n in 0..10 {
+        a.send(g, format!("m{n}").as_bytes()).await.unwrap();
+        if n == 4 {
+            h1.hub().shutdown().await;
+        }
+    }
+    drop(h1);
+    let h1 = TestHub::start_at(dir.path(), &addr, |_| {}).await.unwrap();
+    ib.until("10 messages", |i| i.got.len() >= 10).await;
+    ib.settle(Duration::from_millis(300)).await;
+    assert_eq!(ib.got.len(), 10);
+    assert!(ib.got.values().all(|(_, _, n)| *n == 1));
+    h1.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removed_member_reads_nothing_sent_after_its_removal() {
+    let hubs = hubs(1).await;
+    let u = urls(&hubs);
+    let a = TestDevice::open(&u).await.unwrap();
+    let b = TestDevice::open(&u).await.unwrap();
+    let c = TestDevice::open(&u).await.unwrap();
+    let (mut ib, mut ic) = (Inbox::new(&b), Inbox::new(&c));
+    let g = group_of(&a, &mut [(&b, &mut ib), (&c, &mut ic)], &u).await;
+    converge(&[&a, &b, &c], g).await;
+    a.send(g, b"everyone").await.unwrap();
+    ic.until("the first message", |i| i.has(b"everyone")).await;
+    a.remove(g, c.id()).await.unwrap();
+    ic.until("removal", |i| {
+        i.events.iter().any(|e| matches!(e, Event::Removed { .. }))
+    })
+    .await;
+    assert!(
+        c.epoch(g).await.is_err(),
+        "the removed device keeps no state of the group"
+    );
+    a.send(g, b"secret").await.unwrap();
+    b.send(g, b"secret too").await.unwrap();
+    ib.until("the secret", |i| i.has(b"secret")).await;
+    ic.settle(Duration::from_millis(500)).await;
+    assert!(!ic.has(b"secret") && !ic.has(b"secret too"));
+    assert_eq!(a.members(g).await.unwrap().len(), 2);
+}
+
+/// A connector that cannot reach some hubs, as a partition would.
+struct Partitioned {
+    blocked: Vec<String>,
+}
+
+impl hubsync::transport::Connector for Partitioned {
+    fn connect(
+        &self,
+        url: &str,
+    ) -> futures::future::BoxFuture<'static, std::io::Result<hubsync::transport::BoxStream>> {
+        if self.blocked.iter().any(|b| b == url) {
+            return Box::pin(async {
+                Err(std::io::Error::new(
+                    std::io::ErrorKind::ConnectionRefused,
+                    "partitioned",
+                ))
+            });
+        }
+        hubsync::transport::TcpConnector.connect(url)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forwarding_carries_messages_across_a_partition() {
+    let hubs = hubs(2).await;
+    let u = urls(&hubs);
+    let mut oa = hubsync::testkit::device_options(&u[..1]);
+    oa.connector = std::sync::Arc::new(Partitioned {
+        blocked: vec![u[1].clone()],
+    });
+    let mut ob = hubsync::testkit::device_options(&u);
+    ob.manager.forwarding = true;
+    let mut oc = hubsync::testkit::device_options(&u[1..]);
+    oc.connector = std::sync::Arc::new(Partitioned {
+        blocked: vec![u[0].clone()],
+    });
+    let a = TestDevice::open_with(oa).await.unwrap();
+    let b = TestDevice::open_with(ob).await.unwrap();
+    let c = TestDevice::open_with(oc).await.unwrap();
+    let (mut ia, mut ib, mut ic) = (Inbox::new(&a), Inbox::new(&b), Inbox::new(&c));
+    let g = group_of(&a, &mut [(&b, &mut ib)], &u).await;
+    // Only b reaches c's hub to claim its key package.
+    invite_with_retry(&b, g, c.id()).await;
+    ic.until("c to join", |i| i.joined(g)).await;
+    converge(&[&a, &b, &c], g).await;
+
+    a.send(g, b"from a, only on hub 1").await.unwrap();
+    c.send(g, b"from c, only on hub 2").await.unwrap();
+    ic.until("a's message via b", |i| i.has(b"from a, only on hub 1"))
+        .await;
+    ia.until("c's message via b", |i| i.has(b"from c, only on hub 2"))
+        .await;
+    ib.until("both", |i| i.got.len() >= 2).await;
+    for inbox in [&mut ia, &mut ib, &mut ic] {
+        inbox.settle(Duration::from_millis(300)).await;
+        assert!(inbox.got.values().all(|(_, _, n)| *n == 1));
+    }
+}

@@ -1,0 +1,718 @@
+//! `HubLink` and `HubDirectory` against real hubs over loopback: routing,
+//! reconnection across hub restarts, backoff, timeouts and stop.
+
+mod common;
+
+use common::*;
+use hubsync::client::{ClientError, ClientOptions};
+use hubsync::clock::Clock;
+use hubsync::device::directory::{HubDirectory, HubInfo, HubState};
+use hubsync::device::link::{HubLink, LinkConfig, LinkError, LinkStatus};
+use hubsync::hub::{HubConfig, Limits};
+use hubsync::kv::{KvStore, MemKv};
+use hubsync::rng::SharedRng;
+use hubsync::testkit::{signing_key, TestHub};
+use hubsync::transport::TcpConnector;
+use hubsync::wire::{Delivery, ExpectedHead, HubError, PublishOutcome, TopicId, PROTOCOL_VERSION};
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::mpsc::Receiver;
+
+const WAIT: Duration = Duration::from_secs(10);
+
+fn unthrottled(c: &mut HubConfig) {
+    c.limits = Limits::unthrottled();
+}
+
+/// Quick retries, so tests spend little time waiting.
+fn fast() -> LinkConfig {
+    LinkConfig {
+        backoff_base: Duration::from_millis(50),
+        backoff_max: Duration::from_millis(500),
+        jitter: 0.5,
+        stable_after: Duration::from_secs(5),
+        client: ClientOptions {
+            connect_timeout: Duration::from_secs(3),
+            request_timeout: Duration::from_secs(3),
+            ..ClientOptions::default()
+        },
+    }
+}
+
+fn link(url: &str, device: u64, config: LinkConfig) -> HubLink {
+    HubLink::start(
+        url,
+        signing_key(device),
+        Arc::new(TcpConnector),
+        config,
+        SharedRng::seeded(device),
+    )
+}
+
+async fn hub_at(dir: &Path, addr: &str) -> TestHub {
+    // The port was just released by the previous hub: retry a little.
+    let mut tries = 0;
+    loop {
+        match TestHub::start_at(dir, addr, unthrottled).await {
+            Ok(h) => return h,
+            Err(e) if tries < 50 => {
+                tries += 1;
+                tracing::debug!(error = %e, "hub restart retry");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("hub restart on {addr}: {e}"),
+        }
+    }
+}
+
+async fn recv(rx: &mut Receiver<Delivery>) -> Delivery {
+    tokio::time::timeout(WAIT, rx.recv())
+        .await
+        .expect("a delivery in time")
+        .expect("receiver open")
+}
+
+async fn nothing(rx: &mut Receiver<Delivery>) {
+    let r = tokio::time::timeout(Duration::from_millis(300), rx.recv()).await;
+    assert!(r.is_err(), "expected no delivery, got {r:?}");
+}
+
+/// Wait until the link's status satisfies `pred`.
+async fn status_until(link: &HubLink, pred: impl Fn(&LinkStatus) -> bool) -> LinkStatus {
+    let mut rx = link.status();
+    let s = tokio::time::timeout(WAIT, rx.wait_for(|s| pred(s)))
+        .await
+        .expect("status in time")
+        .expect("status channel open")
+        .clone();
+    s
+}
+
+/// Record every status the link publishes from now on.
+fn record(link: &HubLink) -> Arc<Mutex<Vec<LinkStatus>>> {
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let mut rx = link.status();
+    let out = seen.clone();
+    tokio::spawn(async move {
+        loop {
+            let s = rx.borrow_and_update().clone();
+            let stop = s == LinkStatus::Stopped;
+            out.lock().unwrap().push(s);
+            if stop || rx.changed().await.is_err() {
+                return;
+            }
+        }
+    });
+    seen
+}
+
+/// Poll the directory until `url`'s entry satisfies `pred`.
+async fn dir_until(
+    dir: &HubDirectory,
+    url: &str,
+    pred: impl Fn(&HubInfo, bool) -> bool,
+) -> HubInfo {
+    for _ in 0..200 {
+        if let Some((info, fresh)) = dir.info(url) {
+            if pred(&info, fresh) {
+                return info;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!(
+        "directory entry of {url} never matched: {:?}",
+        dir.info(url)
+    );
+}
+
+fn payloads(ds: &[Delivery]) -> Vec<Vec<u8>> {
+    ds.iter().map(|d| d.payload.clone()).collect()
+}
+
+#[tokio::test]
+async fn link_connects_publishes_fetches_and_handles_key_packages() {
+    let hub = TestHub::start_with(unthrottled).await.unwrap();
+    let a = link(hub.url(), 1, fast());
+    let b = link(&format!("{}/", hub.url()), 2, fast());
+    assert_eq!(b.url(), hub.url(), "a trailing slash is dropped");
+    assert!(a.wait_connected(WAIT).await);
+    assert!(a.is_connected());
+    assert_eq!(*a.status().borrow(), LinkStatus::Connected);
+
+    let t = TopicId::from("log");
+    assert_eq!(
+        a.publish(log("log", 1, ExpectedHead::Empty, b"one"))
+            .await
+            .unwrap(),
+        PublishOutcome::Accepted {
+            seq: 1,
+            head: Some(1)
+        }
+    );
+    // A retry with the same publish id is recognised.
+    assert_eq!(
+        a.publish(log("log", 1, ExpectedHead::Empty, b"one"))
+            .await
+            .unwrap(),
+        PublishOutcome::Duplicate { seq: 1 }
+    );
+    assert_eq!(
+        b.publish(log("log", 2, ExpectedHead::Seq(1), b"two"))
+            .await
+            .unwrap(),
+        PublishOutcome::Accepted {
+            seq: 2,
+            head: Some(2)
+        }
+    );
+    let f = a.fetch(&t, 0, 10).await.unwrap();
+    assert_eq!(f.head, Some(2));
+    assert_eq!(
+        f.messages
+            .iter()
+            .map(|m| m.payload.clone())
+            .collect::<Vec<_>>(),
+        vec![b"one".to_vec(), b"two".to_vec()]
+    );
+
+    assert_eq!(
+        a.upload_key_packages(vec![b"kp1".to_vec()], Some(b"last".to_vec()))
+            .await
+            .unwrap(),
+        1
+    );
+    assert_eq!(a.key_package_status().await.unwrap(), (1, true));
+    let dev_a = device_of(&signing_key(1));
+    assert_eq!(
+        b.claim_key_package(dev_a).await.unwrap(),
+        (b"kp1".to_vec(), false)
+    );
+    assert_eq!(
+        b.claim_key_package(dev_a).await.unwrap(),
+        (b"last".to_vec(), true)
+    );
+    // A hub refusal comes back as itself.
+    let refused = a
+        .publish(log(
+            "log",
+            3,
+            ExpectedHead::Unconditional,
+            &vec![0u8; (1 << 20) + 1],
+        ))
+        .await;
+    assert!(
+        matches!(
+            refused,
+            Err(LinkError::Client(ClientError::Hub(
+                HubError::PayloadTooLarge { .. }
+            )))
+        ),
+        "{refused:?}"
+    );
+
+    a.stop().await;
+    b.stop().await;
+}
+
+#[tokio::test]
+async fn deliveries_are_routed_by_topic_to_their_receivers() {
+    let hub = TestHub::start_with(unthrottled).await.unwrap();
+    let l = link(hub.url(), 1, fast());
+    let mut one = l.subscribe(TopicId::from("one"), None);
+    let mut two = l.subscribe(TopicId::from("two"), None);
+    assert!(l.wait_connected(WAIT).await);
+    l.flush_subscriptions().await.unwrap();
+
+    let publisher = hub.client(&signing_key(9)).await.unwrap();
+    publisher.publish(mailbox("one", 1, b"1a")).await.unwrap();
+    publisher.publish(mailbox("two", 2, b"2a")).await.unwrap();
+    publisher
+        .publish(log("one", 3, ExpectedHead::Unconditional, b"1b"))
+        .await
+        .unwrap();
+    publisher.publish(mailbox("two", 4, b"2b")).await.unwrap();
+
+    let got_one = vec![recv(&mut one).await, recv(&mut one).await];
+    let got_two = vec![recv(&mut two).await, recv(&mut two).await];
+    assert_eq!(payloads(&got_one), vec![b"1a".to_vec(), b"1b".to_vec()]);
+    assert_eq!(payloads(&got_two), vec![b"2a".to_vec(), b"2b".to_vec()]);
+    assert!(got_one.iter().all(|d| d.topic == TopicId::from("one")));
+    assert!(got_two.iter().all(|d| d.topic == TopicId::from("two")));
+    nothing(&mut one).await;
+    nothing(&mut two).await;
+
+    // A second subscribe replaces the receiver; the first one ends.
+    let mut one_again = l.subscribe(TopicId::from("one"), None);
+    assert!(one.recv().await.is_none(), "replaced receiver ends");
+    publisher.publish(mailbox("one", 5, b"1c")).await.unwrap();
+    assert_eq!(recv(&mut one_again).await.payload, b"1c".to_vec());
+
+    // After unsubscribe, the topic's receiver ends and nothing more comes.
+    l.unsubscribe(&TopicId::from("two")).await;
+    assert!(two.recv().await.is_none());
+    publisher.publish(mailbox("two", 6, b"2c")).await.unwrap();
+    publisher.publish(mailbox("one", 7, b"1d")).await.unwrap();
+    assert_eq!(recv(&mut one_again).await.payload, b"1d".to_vec());
+    l.stop().await;
+}
+
+#[tokio::test]
+async fn deliveries_for_an_unrouted_topic_wait_for_its_subscriber() {
+    let hub = TestHub::start_with(unthrottled).await.unwrap();
+    // The device subscribed at the hub earlier (say, before a restart) but
+    // no consumer has asked for the topic on this link yet.
+    let same_device = hub.client(&signing_key(1)).await.unwrap();
+    same_device
+        .subscribe(&TopicId::from("later"), None)
+        .await
+        .unwrap();
+    same_device.close();
+
+    let l = link(hub.url(), 1, fast());
+    let mut now = l.subscribe(TopicId::from("now"), None);
+    assert!(l.wait_connected(WAIT).await);
+    let publisher = hub.client(&signing_key(9)).await.unwrap();
+    publisher
+        .publish(mailbox("later", 1, b"early-1"))
+        .await
+        .unwrap();
+    publisher
+        .publish(mailbox("later", 2, b"early-2"))
+        .await
+        .unwrap();
+    publisher
+        .publish(mailbox("now", 3, b"marker"))
+        .await
+        .unwrap();
+    // The marker was pushed after the two early ones, so they are buffered.
+    assert_eq!(recv(&mut now).await.payload, b"marker".to_vec());
+
+    let mut later = l.subscribe(TopicId::from("later"), None);
+    let first = recv(&mut later).await;
+    let second = recv(&mut later).await;
+    assert_eq!(
+        payloads(&[first, second]),
+        vec![b"early-1".to_vec(), b"early-2".to_vec()]
+    );
+    publisher
+        .publish(mailbox("later", 4, b"live"))
+        .await
+        .unwrap();
+    assert_eq!(recv(&mut later).await.payload, b"live".to_vec());
+    l.stop().await;
+}
+
+#[tokio::test]
+async fn hub_restart_on_the_same_store_reconnects_resumes_and_skips_acked() {
+    let dir = tempfile::tempdir().unwrap();
+    let hub = hub_at(dir.path(), "127.0.0.1:0").await;
+    let addr = hub.addr().to_string();
+    let url = hub.url().to_string();
+    let l = link(&url, 1, fast());
+    let statuses = record(&l);
+    let mut rx = l.subscribe(TopicId::from("t"), None);
+    assert!(l.wait_connected(WAIT).await);
+
+    let publisher = hub.client(&signing_key(9)).await.unwrap();
+    for (i, p) in [b"m1", b"m2", b"m3"].iter().enumerate() {
+        publisher
+            .publish(mailbox("t", i as u64 + 1, *p))
+            .await
+            .unwrap();
+    }
+    let m1 = recv(&mut rx).await;
+    let m2 = recv(&mut rx).await;
+    let m3 = recv(&mut rx).await;
+    assert_eq!(
+        payloads(&[m1.clone(), m2.clone(), m3.clone()]),
+        vec![b"m1".to_vec(), b"m2".to_vec(), b"m3".to_vec()]
+    );
+    // m1 and m2 are acked (the hub confirms before `ack` returns); m3 is not.
+    l.ack(vec![m1.id, m2.id]).await;
+
+    publisher.close();
+    hub.stop().await;
+    status_until(&l, |s| matches!(s, LinkStatus::Reconnecting { .. })).await;
+    let hub = hub_at(dir.path(), &addr).await;
+    assert_eq!(hub.url(), url);
+
+    // By itself, without retry_now.
+    assert!(l.wait_connected(WAIT).await);
+    let publisher = hub.client(&signing_key(9)).await.unwrap();
+    publisher.publish(mailbox("t", 4, b"m4")).await.unwrap();
+    let mut after = Vec::new();
+    loop {
+        let d = recv(&mut rx).await;
+        let last = d.payload == b"m4";
+        after.push(d);
+        if last {
+            break;
+        }
+    }
+    assert_eq!(
+        payloads(&after),
+        vec![b"m3".to_vec(), b"m4".to_vec()],
+        "unacked m3 comes again, acked m1 and m2 do not"
+    );
+    assert_eq!(after[0].id, m3.id);
+    l.ack(after.iter().map(|d| d.id).collect()).await;
+    nothing(&mut rx).await;
+
+    let seen = statuses.lock().unwrap().clone();
+    let lost = seen
+        .iter()
+        .position(|s| matches!(s, LinkStatus::Reconnecting { .. }))
+        .expect("went Reconnecting");
+    assert!(
+        seen[lost..].contains(&LinkStatus::Connected),
+        "then Connected: {seen:?}"
+    );
+    assert_eq!(seen[0], LinkStatus::Connecting);
+    l.stop().await;
+}
+
+#[tokio::test]
+async fn hub_restart_on_a_fresh_store_gets_the_subscriptions_again() {
+    // A hub that lost its store knows no subscription: only the link's
+    // re-subscription makes a later publish reach the receiver.
+    let first = tempfile::tempdir().unwrap();
+    let hub = hub_at(first.path(), "127.0.0.1:0").await;
+    let addr = hub.addr().to_string();
+    let l = link(hub.url(), 1, fast());
+    let mut rx = l.subscribe(TopicId::from("t"), None);
+    assert!(l.wait_connected(WAIT).await);
+    hub.stop().await;
+    status_until(&l, |s| matches!(s, LinkStatus::Reconnecting { .. })).await;
+
+    let second = tempfile::tempdir().unwrap();
+    let hub = hub_at(second.path(), &addr).await;
+    assert!(l.wait_connected(WAIT).await);
+    let publisher = hub.client(&signing_key(9)).await.unwrap();
+    publisher.publish(mailbox("t", 1, b"after")).await.unwrap();
+    assert_eq!(recv(&mut rx).await.payload, b"after".to_vec());
+    l.stop().await;
+}
+
+#[tokio::test]
+async fn retry_now_skips_a_long_backoff() {
+    let dir = tempfile::tempdir().unwrap();
+    let hub = hub_at(dir.path(), "127.0.0.1:0").await;
+    let addr = hub.addr().to_string();
+    let config = LinkConfig {
+        backoff_base: Duration::from_secs(10),
+        backoff_max: Duration::from_secs(60),
+        jitter: 0.0,
+        ..fast()
+    };
+    let l = link(hub.url(), 1, config);
+    assert!(l.wait_connected(WAIT).await);
+    hub.stop().await;
+    let s = status_until(&l, |s| matches!(s, LinkStatus::Reconnecting { .. })).await;
+    match s {
+        LinkStatus::Reconnecting {
+            attempt, retry_in, ..
+        } => {
+            assert_eq!(attempt, 1);
+            assert_eq!(retry_in, Duration::from_secs(10));
+        }
+        other => panic!("{other:?}"),
+    }
+    let _hub = hub_at(dir.path(), &addr).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!l.is_connected(), "still waiting out the 10 s backoff");
+    l.retry_now();
+    assert!(
+        l.wait_connected(Duration::from_secs(3)).await,
+        "retry_now connects well before the 10 s backoff ends"
+    );
+    l.stop().await;
+}
+
+#[tokio::test]
+async fn requests_fail_not_connected_while_the_hub_is_down() {
+    // A port nobody listens on.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let url = format!("ws://127.0.0.1:{port}");
+    let timeout = Duration::from_millis(300);
+    let mut config = fast();
+    config.client.request_timeout = timeout;
+    let l = link(&url, 1, config);
+
+    let started = tokio::time::Instant::now();
+    let r = l.publish(mailbox("t", 1, b"x")).await;
+    assert_eq!(r, Err(LinkError::NotConnected { url: url.clone() }));
+    assert!(started.elapsed() >= timeout, "waited the request timeout");
+    assert!(started.elapsed() < WAIT);
+    assert_eq!(
+        l.fetch(&TopicId::from("t"), 0, 10).await,
+        Err(LinkError::NotConnected { url: url.clone() })
+    );
+    assert_eq!(
+        l.key_package_status().await,
+        Err(LinkError::NotConnected { url: url.clone() })
+    );
+    let s = status_until(&l, |s| matches!(s, LinkStatus::Reconnecting { .. })).await;
+    match s {
+        LinkStatus::Reconnecting { last_error, .. } => {
+            assert!(last_error.contains("cannot reach"), "{last_error}")
+        }
+        other => panic!("{other:?}"),
+    }
+    // An ack while disconnected is dropped without error or wait.
+    l.ack(vec![1, 2, 3]).await;
+    l.stop().await;
+}
+
+#[tokio::test]
+async fn stop_ends_with_status_stopped() {
+    let hub = TestHub::start_with(unthrottled).await.unwrap();
+    let l = link(hub.url(), 1, fast());
+    let mut rx = l.subscribe(TopicId::from("t"), None);
+    assert!(l.wait_connected(WAIT).await);
+    let other = l.clone();
+    l.stop().await;
+    assert_eq!(*other.status().borrow(), LinkStatus::Stopped);
+    assert!(!other.is_connected());
+    assert!(rx.recv().await.is_none(), "receivers end");
+    assert_eq!(
+        other.publish(mailbox("t", 1, b"x")).await,
+        Err(LinkError::Stopped)
+    );
+    let mut late = other.subscribe(TopicId::from("u"), None);
+    assert!(
+        late.recv().await.is_none(),
+        "a subscribe after stop is closed"
+    );
+    assert!(!other.wait_connected(Duration::from_millis(100)).await);
+    other.stop().await; // idempotent
+
+    // A link that never connected stops just as well.
+    let never = link("ws://127.0.0.1:1", 2, fast());
+    tokio::time::timeout(WAIT, never.stop()).await.unwrap();
+    assert_eq!(*never.status().borrow(), LinkStatus::Stopped);
+}
+
+#[tokio::test]
+async fn same_device_twice_backs_off_instead_of_hammering() {
+    // Two links of one device replace each other's receive stream: each
+    // connection is cut right after it came up. Short connections never
+    // reset the backoff, so the attempts slow down.
+    let hub = TestHub::start_with(unthrottled).await.unwrap();
+    let config = LinkConfig {
+        backoff_base: Duration::from_millis(20),
+        backoff_max: Duration::from_millis(400),
+        jitter: 0.0,
+        ..fast()
+    };
+    let a = link(hub.url(), 1, config.clone());
+    let seen = record(&a);
+    let b = link(hub.url(), 1, config);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    a.stop().await;
+    b.stop().await;
+    let seen = seen.lock().unwrap().clone();
+    let ended: Vec<&LinkStatus> = seen
+        .iter()
+        .filter(|s| matches!(s, LinkStatus::Reconnecting { last_error, .. } if last_error.contains("receive stream ended")))
+        .collect();
+    assert!(
+        !ended.is_empty(),
+        "the other stream replaced ours: {seen:?}"
+    );
+    let max_attempt = seen
+        .iter()
+        .filter_map(|s| match s {
+            LinkStatus::Reconnecting { attempt, .. } => Some(*attempt),
+            _ => None,
+        })
+        .max()
+        .unwrap_or(0);
+    assert!(max_attempt >= 3, "backoff kept growing: {seen:?}");
+    let connects = seen.iter().filter(|s| **s == LinkStatus::Connected).count();
+    // 3 s at 20, 40, ... 400 ms is at most a dozen attempts.
+    assert!(connects <= 15, "{connects} connects in 3 s: hammering");
+}
+
+#[tokio::test]
+async fn directory_keeps_a_lost_hub_marks_it_stale_and_reloads_it() {
+    let hub_dir = tempfile::tempdir().unwrap();
+    let hub = hub_at(hub_dir.path(), "127.0.0.1:0").await;
+    let url = hub.url().to_string();
+    let kv = MemKv::new();
+    let store: Arc<dyn KvStore> = Arc::new(kv.clone());
+    let ttl = Duration::from_secs(2);
+    let dir = HubDirectory::open(store.clone(), Clock::System, ttl).unwrap();
+    let l = link(&url, 1, fast());
+    dir.track(&l);
+    assert!(l.wait_connected(WAIT).await);
+
+    dir_until(&dir, &url, |i, fresh| {
+        i.status == HubState::Connected && fresh
+    })
+    .await;
+    // Connected for longer than the TTL: still fresh (refreshed while up).
+    tokio::time::sleep(ttl + Duration::from_secs(1)).await;
+    let (info, fresh) = dir.info(&url).unwrap();
+    assert!(fresh, "a connected hub stays fresh: {info:?}");
+    assert_eq!(info.protocol_version, Some(PROTOCOL_VERSION));
+    let connected_at = info.last_connected_ms.expect("connected at");
+
+    hub.stop().await;
+    let gone = dir_until(&dir, &url, |_, fresh| !fresh).await;
+    assert!(
+        matches!(gone.status, HubState::Reconnecting { .. }),
+        "{gone:?}"
+    );
+    assert_eq!(gone.last_connected_ms, Some(connected_at));
+    assert!(gone.last_error.is_some());
+    assert_eq!(dir.list().len(), 1, "kept although unreachable");
+
+    // Reload after a crash: the flushed entry is all there.
+    l.stop().await;
+    dir.stop().await;
+    kv.crash();
+    let again = HubDirectory::open(store, Clock::System, ttl).unwrap();
+    let (reloaded, fresh) = again.info(&url).expect("reloaded");
+    assert!(!fresh);
+    assert_eq!(reloaded.url, url);
+    assert_eq!(reloaded.last_connected_ms, Some(connected_at));
+    assert_eq!(reloaded.protocol_version, Some(PROTOCOL_VERSION));
+    assert_eq!(reloaded.status, HubState::Stopped, "the link's last status");
+    assert!(reloaded.last_error.is_some());
+}
+
+/// A hub over an in-memory store whose `crash` loses what was not flushed.
+async fn mem_hub(kv: &MemKv, addr: &str) -> (hubsync::hub::Hub, String) {
+    let mut tries = 0;
+    let listener = loop {
+        match hubsync::transport::TcpAcceptor::bind(addr).await {
+            Ok(l) => break l,
+            Err(e) if tries < 50 => {
+                tries += 1;
+                tracing::debug!(error = %e, "rebind retry");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("bind {addr}: {e}"),
+        }
+    };
+    let addr = listener.local_addr().unwrap().to_string();
+    let url = format!("ws://{addr}");
+    let mut config = HubConfig::new(url.clone());
+    unthrottled(&mut config);
+    let store: Arc<dyn KvStore> = Arc::new(kv.clone());
+    let hub = hubsync::hub::Hub::start(store, config, Clock::System, SharedRng::seeded(5)).unwrap();
+    hub.serve(listener);
+    (hub, addr)
+}
+
+#[tokio::test]
+async fn acked_deliveries_stay_acked_when_a_hub_crash_loses_the_ack() {
+    // The hub answers an ack before it is durable; a crash can forget it.
+    // The link resumes after what it acked, so it is not delivered again.
+    let kv = MemKv::new();
+    let (hub, addr) = mem_hub(&kv, "127.0.0.1:0").await;
+    let url = format!("ws://{addr}");
+    let l = link(&url, 1, fast());
+    let mut rx = l.subscribe(TopicId::from("t"), None);
+    assert!(l.wait_connected(WAIT).await);
+    let publisher = hubsync::client::HubClient::connect(
+        &TcpConnector,
+        &url,
+        &signing_key(9),
+        ClientOptions::default(),
+    )
+    .await
+    .unwrap();
+    publisher.publish(mailbox("t", 1, b"m1")).await.unwrap();
+    let m1 = recv(&mut rx).await;
+    l.ack(vec![m1.id]).await;
+    kv.crash();
+    publisher.close();
+    hub.shutdown().await;
+    drop(hub);
+
+    let (hub, _) = mem_hub(&kv, &addr).await;
+    assert!(l.wait_connected(WAIT).await);
+    let publisher = hubsync::client::HubClient::connect(
+        &TcpConnector,
+        &url,
+        &signing_key(9),
+        ClientOptions::default(),
+    )
+    .await
+    .unwrap();
+    publisher.publish(mailbox("t", 2, b"m2")).await.unwrap();
+    let next = recv(&mut rx).await;
+    assert_eq!(next.payload, b"m2".to_vec(), "m1 was acked: not again");
+    l.stop().await;
+
+    // The hub did forget the ack: a stream from the start still gets m1.
+    let same_device = hubsync::client::HubClient::connect(
+        &TcpConnector,
+        &url,
+        &signing_key(1),
+        ClientOptions::default(),
+    )
+    .await
+    .unwrap();
+    let mut pushes = same_device.take_pushes().unwrap();
+    same_device.receive(0).await.unwrap();
+    match tokio::time::timeout(WAIT, pushes.recv()).await {
+        Ok(Some(hubsync::client::Push::Delivery(d))) => assert_eq!(d.id, m1.id),
+        other => panic!("expected m1 again from the hub, got {other:?}"),
+    }
+    hub.shutdown().await;
+}
+
+#[tokio::test]
+async fn deliveries_beyond_the_buffer_come_back_by_a_resync() {
+    // More deliveries for a topic without a route than the link buffers:
+    // the overflow is dropped unacked and fetched again once the topic is
+    // subscribed, by a reconnect.
+    let hub = TestHub::start_with(unthrottled).await.unwrap();
+    let same_device = hub.client(&signing_key(1)).await.unwrap();
+    same_device
+        .subscribe(&TopicId::from("late"), None)
+        .await
+        .unwrap();
+    same_device.close();
+    let l = link(hub.url(), 1, fast());
+    let statuses = record(&l);
+    let mut marker = l.subscribe(TopicId::from("marker"), None);
+    assert!(l.wait_connected(WAIT).await);
+
+    let n = hubsync::device::link::BUFFER_CAPACITY as u64 + 100;
+    let publisher = hub.client(&signing_key(9)).await.unwrap();
+    let publishes = (0..n).map(|i| {
+        let p = publisher.clone();
+        async move { p.publish(mailbox("late", i + 1, &i.to_be_bytes())).await }
+    });
+    for r in futures::future::join_all(publishes).await {
+        assert!(matches!(r, Ok(PublishOutcome::Accepted { .. })), "{r:?}");
+    }
+    publisher
+        .publish(mailbox("marker", n + 1, b"marker"))
+        .await
+        .unwrap();
+    assert_eq!(recv(&mut marker).await.payload, b"marker".to_vec());
+
+    let mut late = l.subscribe(TopicId::from("late"), None);
+    let mut distinct = std::collections::BTreeSet::new();
+    while (distinct.len() as u64) < n {
+        let d = recv(&mut late).await;
+        l.ack(vec![d.id]).await;
+        distinct.insert(d.payload);
+    }
+    let seen = statuses.lock().unwrap().clone();
+    assert!(
+        seen.iter().any(|s| matches!(s, LinkStatus::Reconnecting { last_error, .. } if last_error.contains("resynchronising"))),
+        "{seen:?}"
+    );
+    l.stop().await;
+}
