@@ -395,3 +395,88 @@ async fn forwarding_carries_messages_across_a_partition() {
         assert!(inbox.got.values().all(|(_, _, n)| *n == 1));
     }
 }
+
+/// A connector that can be cut and restored.
+#[derive(Clone, Default)]
+struct Switch {
+    cut: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl hubsync::transport::Connector for Switch {
+    fn connect(
+        &self,
+        url: &str,
+    ) -> futures::future::BoxFuture<'static, std::io::Result<hubsync::transport::BoxStream>> {
+        if self.cut.load(std::sync::atomic::Ordering::SeqCst) {
+            return Box::pin(async {
+                Err(std::io::Error::new(
+                    std::io::ErrorKind::ConnectionRefused,
+                    "cut",
+                ))
+            });
+        }
+        hubsync::transport::TcpConnector.connect(url)
+    }
+}
+
+/// b sees a's message from the next epoch before the commit that opens it.
+async fn future_frame_case(mode: hubsync::device::FutureFrames) -> (Inbox, TestDevice) {
+    let hubs = hubs(1).await;
+    let u = urls(&hubs);
+    let a = TestDevice::open(&u).await.unwrap();
+    let switch = Switch::default();
+    let mut ob = hubsync::testkit::device_options(&u);
+    ob.connector = std::sync::Arc::new(switch.clone());
+    ob.manager.future_frames = mode;
+    let mut b = TestDevice::open_with(ob).await.unwrap();
+    let mut ib = Inbox::new(&b);
+    let g = group_of(&a, &mut [(&b, &mut ib)], &u).await;
+    converge(&[&a, &b], g).await;
+    b.close().await;
+    switch.cut.store(true, std::sync::atomic::Ordering::SeqCst);
+    a.rotate_keys(g).await.unwrap();
+    a.send(g, b"from the future").await.unwrap();
+    // Read the frame off the hub as any client could.
+    let reader = hubs[0]
+        .client(&hubsync::testkit::signing_key(77))
+        .await
+        .unwrap();
+    let topic = a.manager().record(g).unwrap().app_topics[0].clone();
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let frame = loop {
+        let f = reader.fetch(&topic, 0, 10).await.unwrap();
+        if let Some(m) = f.messages.last() {
+            break m.payload.clone();
+        }
+        assert!(tokio::time::Instant::now() < deadline);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    b.reopen().await.unwrap();
+    let mut ib = Inbox::new(&b);
+    b.manager().receive_app(g, &frame, None).await.unwrap();
+    ib.settle(Duration::from_millis(200)).await;
+    assert!(
+        !ib.has(b"from the future"),
+        "readable only after the commit"
+    );
+    switch.cut.store(false, std::sync::atomic::Ordering::SeqCst);
+    b.manager().retry_hubs(WAIT).await;
+    converge(&[&a, &b], g).await;
+    ib.settle(Duration::from_millis(500)).await;
+    (ib, b)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_future_epoch_frame_is_kept_and_read_after_the_commit() {
+    let (ib, b) = future_frame_case(hubsync::device::FutureFrames::Persist).await;
+    assert!(ib.has(b"from the future"));
+    assert!(ib.got.values().all(|(_, _, n)| *n == 1));
+    assert_eq!(b.stats().dropped, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_future_epoch_frame_is_dropped_and_counted_in_drop_mode() {
+    let (ib, b) = future_frame_case(hubsync::device::FutureFrames::Drop).await;
+    assert!(!ib.has(b"from the future"));
+    assert!(b.stats().dropped >= 1);
+}
