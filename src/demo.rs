@@ -1,7 +1,7 @@
 //! `hubsync demo`: two real hubs and five devices on loopback, end to end.
 
 use hubsync::device::{Device, Event, GroupId};
-use hubsync::testkit::{device_options, TestHub};
+use hubsync::testkit::{device_options, open_sled, TestHub};
 use hubsync::wire::DeviceId;
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
@@ -20,7 +20,12 @@ struct Node {
 
 impl Node {
     async fn open(name: &str, hubs: &[String], dir: tempfile::TempDir) -> Result<Node, String> {
-        let device = Device::open(dir.path(), device_options(hubs))
+        // A restarted device reopens its directory: wait for the previous
+        // run's store to let go of its lock.
+        let kv = open_sled(dir.path())
+            .await
+            .map_err(|e| format!("{name}: {e}"))?;
+        let device = Device::open_store(std::sync::Arc::new(kv), device_options(hubs))
             .await
             .map_err(|e| format!("{name}: {e}"))?;
         let events = device.events();

@@ -32,7 +32,7 @@ pub fn signing_key(n: u64) -> SigningKey {
 
 /// Open sled in `dir`, waiting briefly for a previous user in this process
 /// to let go of its lock (sled releases it from a background thread).
-async fn open_sled(dir: &Path) -> io::Result<SledKv> {
+pub async fn open_sled(dir: &Path) -> io::Result<SledKv> {
     let mut tries = 0;
     loop {
         match SledKv::open(dir) {

@@ -480,3 +480,39 @@ async fn a_future_epoch_frame_is_dropped_and_counted_in_drop_mode() {
     assert!(!ib.has(b"from the future"));
     assert!(b.stats().dropped >= 1);
 }
+
+/// A device that dies mid-commit, at either side of the publish, settles the
+/// commit from its journal when it comes back: nothing lost, nothing doubled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_device_killed_mid_commit_settles_it_from_the_journal() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let hubs = hubs(1).await;
+    let u = urls(&hubs);
+    let mut a = TestDevice::open(&u).await.unwrap();
+    let b = TestDevice::open(&u).await.unwrap();
+    let mut ib = Inbox::new(&b);
+    let g = group_of(&a, &mut [(&b, &mut ib)], &u).await;
+    let (e0, _) = converge(&[&a, &b], g).await;
+
+    // Killed after the journal, before the publish: the commit never landed.
+    a.manager().faults().halt_after_journal.store(true, SeqCst);
+    assert!(a.rotate_keys(g).await.is_err());
+    a.reopen().await.unwrap();
+    let (e1, _) = converge(&[&a, &b], g).await;
+    assert_eq!(e1, e0, "a commit that never left the device is dropped");
+
+    // Killed after the hub accepted, before the merge: the commit landed and
+    // b applied it; a adopts it from the journal instead of forking.
+    a.manager().faults().halt_after_accept.store(true, SeqCst);
+    assert!(a.rotate_keys(g).await.is_err());
+    a.reopen().await.unwrap();
+    let (e2, _) = converge(&[&a, &b], g).await;
+    assert_eq!(e2, e0 + 1, "the accepted commit is adopted exactly once");
+
+    // And the group carries on.
+    a.rotate_keys(g).await.unwrap();
+    a.send(g, b"still in sync").await.unwrap();
+    ib.until("the message", |i| i.has(b"still in sync")).await;
+    let (e3, _) = converge(&[&a, &b], g).await;
+    assert_eq!(e3, e0 + 2);
+}

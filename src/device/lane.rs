@@ -13,7 +13,7 @@ use super::error::DeviceError;
 use super::frames::{publish_id, WelcomeEnvelope};
 use super::identity::{device_id_of, DeviceIdentity};
 use super::manager::{hub_error, GroupPeerManager};
-use super::records::GroupId;
+use super::records::{GroupId, JournalEntry};
 use super::registry::OpProvider;
 use super::topics;
 use crate::client::ClientError;
@@ -41,8 +41,10 @@ pub struct CommitReport {
 pub enum LaneState {
     /// Nothing built; the next step pulls the commit topic to its end.
     Idle,
-    /// Built against the live handle, staged, not yet published.
+    /// Built against the live handle, staged, not yet durable.
     Built,
+    /// The pending commit and its journal entry are durable together.
+    Journalled,
     /// Sent with the compare-and-set; waiting for the hub's answer.
     Published,
     /// The hub accepted it: merge, queue Welcomes, persist as one batch.
@@ -162,12 +164,12 @@ impl GroupPeerManager {
             if tokio::time::Instant::now() >= deadline {
                 return Err(DeviceError::CommitTimedOut(group));
             }
-            let mut state = LaneState::Idle;
             let mut guard = self.shared.registry.lock(group).await;
             let mut rec = self.record(group)?;
             if rec.stranded {
                 return Err(DeviceError::RecoveryRequired(group));
             }
+            // The pull settles any journalled commit first (step 0).
             let head = match self.pull_locked(&mut guard, &mut rec).await {
                 Ok(h) => h,
                 Err(DeviceError::Hub { .. }) => {
@@ -193,22 +195,46 @@ impl GroupPeerManager {
                     return Err(e);
                 }
             };
-            state = debug_step(state, LaneState::Built);
+            let state = step(LaneState::Idle, LaneState::Built);
             let payload = commit
                 .tls_serialize_detached()
                 .map_err(|e| DeviceError::Mls(e.to_string()))?;
+            let welcome = match (joiner, welcome) {
+                (Some(j), Some(w)) => Some((
+                    j,
+                    w.tls_serialize_detached()
+                        .map_err(|e| DeviceError::Mls(e.to_string()))?,
+                )),
+                _ => None,
+            };
             let topic = topics::commit_topic(&group.0);
+            let entry = JournalEntry {
+                publish_id: publish_id(&super::frames::digest(&payload), &topic),
+                expected_head: head.map(ExpectedHead::Seq).unwrap_or(ExpectedHead::Empty),
+                payload,
+                roster,
+                welcome,
+            };
+            // The pending commit and its journal entry become durable together
+            // before anything leaves the device.
+            let mut b = WriteBatch::new();
+            self.shared.records.put_journal(&mut b, &group, &entry);
+            guard.finish(b)?;
+            let state = step(state, LaneState::Journalled);
+            if self.shared.faults.halt_after_journal.load(Ordering::SeqCst) {
+                return Err(DeviceError::Stopped);
+            }
+            let link = self.hub_link(&rec.commit_hub);
             let publish = Publish {
                 topic: topic.clone(),
-                publish_id: publish_id(&super::frames::digest(&payload), &topic),
+                publish_id: entry.publish_id,
                 class: RetentionClass::Log,
-                expected_head: head.map(ExpectedHead::Seq).unwrap_or(ExpectedHead::Empty),
+                expected_head: entry.expected_head,
                 replay_only: false,
                 retention_secs: None,
-                payload,
+                payload: entry.payload.clone(),
             };
-            let link = self.hub_link(&rec.commit_hub);
-            state = debug_step(state, LaneState::Published);
+            let state = step(state, LaneState::Published);
             // Resend the very same bytes until the hub answers: if an
             // earlier send landed, the hub answers Duplicate with its seq.
             let outcome = loop {
@@ -217,42 +243,118 @@ impl GroupPeerManager {
                     Err(e) => {
                         let transient = !matches!(&e, super::link::LinkError::Client(ClientError::Hub(h)) if !matches!(h, HubError::RateLimited { .. } | HubError::Internal { .. }));
                         if !transient || tokio::time::Instant::now() >= deadline {
-                            guard.discard();
+                            // The journal stays: the next pull settles it.
                             return Err(hub_error(&rec.commit_hub, e));
                         }
                         tokio::time::sleep(Duration::from_millis(100)).await;
                     }
                 }
             };
-            let seq = match outcome {
-                PublishOutcome::Accepted { seq, .. } | PublishOutcome::Duplicate { seq } => seq,
+            match outcome {
+                PublishOutcome::Accepted { seq, .. } | PublishOutcome::Duplicate { seq } => {
+                    step(state, LaneState::Accepted);
+                    if self.shared.faults.halt_after_accept.load(Ordering::SeqCst) {
+                        return Err(DeviceError::Stopped);
+                    }
+                    self.settle_accepted(&mut guard, &mut rec, &entry, seq)?;
+                    let epoch = guard.read(|g| g.epoch().as_u64())?;
+                    drop(guard);
+                    self.shared.counters.commits.fetch_add(1, Ordering::Relaxed);
+                    return Ok(CommitReport {
+                        epoch,
+                        seq,
+                        attempts,
+                    });
+                }
                 PublishOutcome::HeadMismatch { .. } | PublishOutcome::HistoryMissing => {
+                    step(state, LaneState::Idle);
                     self.shared
                         .counters
                         .lost_races
                         .fetch_add(1, Ordering::Relaxed);
-                    guard.discard();
-                    continue;
+                    self.settle_lost(&mut guard, &group)?;
                 }
-            };
-            let _ = debug_step(state, LaneState::Accepted);
-            guard.merge_pending()?;
-            rec.commit_cursor = seq;
-            let mut b = WriteBatch::new();
-            if let (Some(joiner), Some(welcome)) = (joiner, welcome) {
-                self.stage_welcome(&mut b, &rec, seq, joiner, &welcome)?;
             }
-            guard.finish(b)?;
-            self.after_merge(&mut guard, &mut rec, roster)?;
-            let epoch = guard.read(|g| g.epoch().as_u64())?;
-            drop(guard);
-            self.shared.outbox.wake();
-            self.shared.counters.commits.fetch_add(1, Ordering::Relaxed);
-            return Ok(CommitReport {
-                epoch,
-                seq,
-                attempts,
-            });
+        }
+    }
+
+    /// The hub accepted the journalled commit at `seq`: merge it, queue the
+    /// Welcome, clear the journal, all in one batch.
+    fn settle_accepted(
+        &self,
+        guard: &mut super::registry::GroupGuard,
+        rec: &mut super::records::GroupRecord,
+        entry: &JournalEntry,
+        seq: u64,
+    ) -> Result<(), DeviceError> {
+        guard.merge_pending()?;
+        rec.commit_cursor = rec.commit_cursor.max(seq);
+        let mut b = WriteBatch::new();
+        if let Some((joiner, welcome)) = &entry.welcome {
+            self.stage_welcome(&mut b, rec, seq, *joiner, welcome)?;
+        }
+        self.shared.records.clear_journal(&mut b, &rec.id);
+        self.shared.records.put_group(&mut b, rec);
+        guard.finish(b)?;
+        self.after_merge(guard, rec, entry.roster)?;
+        self.shared.outbox.wake();
+        Ok(())
+    }
+
+    /// The journalled commit did not land: drop the pending commit and the
+    /// journal together.
+    fn settle_lost(
+        &self,
+        guard: &mut super::registry::GroupGuard,
+        group: &GroupId,
+    ) -> Result<(), DeviceError> {
+        guard
+            .with(|g, p| g.clear_pending_commit(p.storage()))?
+            .map_err(|e| DeviceError::Store(e.to_string()))?;
+        let mut b = WriteBatch::new();
+        self.shared.records.clear_journal(&mut b, group);
+        guard.finish(b)?;
+        Ok(())
+    }
+
+    /// Step 0 of every pull and commit: a journalled commit is re-published
+    /// `replay_only` under its original id and head. Accepted (or duplicate):
+    /// adopt it. History missing: it was lost, drop it.
+    ///
+    /// # Errors
+    /// A hub error when the commit hub cannot answer; the journal stays.
+    pub(super) async fn replay_journal(
+        &self,
+        guard: &mut super::registry::GroupGuard,
+        rec: &mut super::records::GroupRecord,
+    ) -> Result<(), DeviceError> {
+        let Some(entry) = self.shared.records.journal(&rec.id)? else {
+            return Ok(());
+        };
+        let topic = topics::commit_topic(&rec.id.0);
+        let publish = Publish {
+            topic,
+            publish_id: entry.publish_id,
+            class: RetentionClass::Log,
+            expected_head: entry.expected_head,
+            replay_only: true,
+            retention_secs: None,
+            payload: entry.payload.clone(),
+        };
+        let outcome = self
+            .hub_link(&rec.commit_hub)
+            .publish(publish)
+            .await
+            .map_err(|e| hub_error(&rec.commit_hub, e))?;
+        match outcome {
+            PublishOutcome::Accepted { seq, .. } | PublishOutcome::Duplicate { seq } => {
+                tracing::info!(group = %rec.id, seq, "journalled commit had landed; adopted");
+                self.settle_accepted(guard, rec, &entry, seq)
+            }
+            PublishOutcome::HistoryMissing | PublishOutcome::HeadMismatch { .. } => {
+                tracing::warn!(group = %rec.id, "journalled commit never landed; dropped");
+                self.settle_lost(guard, &rec.id)
+            }
         }
     }
 
@@ -262,7 +364,7 @@ impl GroupPeerManager {
         rec: &super::records::GroupRecord,
         seq: u64,
         joiner: DeviceId,
-        welcome: &MlsMessageOut,
+        welcome: &[u8],
     ) -> Result<(), DeviceError> {
         let me = &self.shared.identity;
         let env = WelcomeEnvelope {
@@ -270,9 +372,7 @@ impl GroupPeerManager {
             hubs: rec.hubs.clone(),
             commit_hub: rec.commit_hub.clone(),
             commit_seq: seq,
-            welcome: welcome
-                .tls_serialize_detached()
-                .map_err(|e| DeviceError::Mls(e.to_string()))?,
+            welcome: welcome.to_vec(),
             inviter: me.id(),
             signature: Vec::new(),
         }
@@ -301,7 +401,7 @@ impl GroupPeerManager {
 }
 
 /// Record a lane transition in the trace (the order is the state machine's).
-fn debug_step(from: LaneState, to: LaneState) -> LaneState {
+fn step(from: LaneState, to: LaneState) -> LaneState {
     tracing::trace!(?from, ?to, "commit lane");
     to
 }

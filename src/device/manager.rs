@@ -163,6 +163,12 @@ pub(super) struct Shared {
 pub struct Faults {
     /// Skip the inbox's duplicate check.
     pub skip_dedup: std::sync::atomic::AtomicBool,
+    /// Stop a commit right after its journal entry is durable, before the
+    /// publish, as a crash there would.
+    pub halt_after_journal: std::sync::atomic::AtomicBool,
+    /// Stop a commit right after the hub accepted it, before the merge, as a
+    /// crash there would.
+    pub halt_after_accept: std::sync::atomic::AtomicBool,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -557,6 +563,7 @@ impl GroupPeerManager {
         for l in links {
             l.stop().await;
         }
+        self.shared.directory.stop().await;
         lock(&self.shared.peers).clear();
         lock(&self.shared.topics).clear();
     }

@@ -152,6 +152,22 @@ impl GroupPeerManager {
         cancel: CancellationToken,
     ) {
         self.shared.tasks.spawn(async move {
+            // Read the log only once the subscription is in force at the
+            // hub: a frame published in between is then either in the log
+            // when we read it or pushed to us afterwards.
+            loop {
+                let r = tokio::select! {
+                    _ = cancel.cancelled() => return,
+                    r = link.flush_subscriptions() => r,
+                };
+                match r {
+                    Ok(()) => break,
+                    Err(_) => tokio::select! {
+                        _ = cancel.cancelled() => return,
+                        _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                    },
+                }
+            }
             let mut after = 0;
             loop {
                 let page = tokio::select! {
@@ -205,7 +221,7 @@ impl GroupPeerManager {
             .fetch(&topics::commit_topic(&group.0), seen.commit_cursor, 1)
             .await
             .map_err(|e| hub_error(&seen.commit_hub, e))?;
-        if f.messages.is_empty() && !f.gap {
+        if f.messages.is_empty() && !f.gap && self.shared.records.journal(&group)?.is_none() {
             return Ok(f.head);
         }
         let mut guard = self.shared.registry.lock(group).await;
@@ -223,6 +239,7 @@ impl GroupPeerManager {
         guard: &mut GroupGuard,
         rec: &mut GroupRecord,
     ) -> Result<Option<u64>, DeviceError> {
+        self.replay_journal(guard, rec).await?;
         let link = self.hub_link(&rec.commit_hub);
         let topic = topics::commit_topic(&rec.id.0);
         loop {

@@ -75,7 +75,24 @@ impl GroupRecord {
     }
 }
 
+/// The commit in flight, written with the MLS pending commit in one batch
+/// before the publish, so a crash never loses or doubles a commit.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JournalEntry {
+    /// The exact bytes published.
+    pub payload: Vec<u8>,
+    /// Their publish id (a replay must carry the same).
+    pub publish_id: crate::wire::PublishId,
+    /// The head the publish compared against.
+    pub expected_head: crate::wire::ExpectedHead,
+    /// Whether the commit changes the roster.
+    pub roster: bool,
+    /// Who the commit adds, and the Welcome to send them once it landed.
+    pub welcome: Option<(crate::wire::DeviceId, Vec<u8>)>,
+}
+
 const GROUP: &[u8] = b"eng/group/";
+const JOURNAL: &[u8] = b"eng/journal/";
 const INBOX: &[u8] = b"eng/inbox/";
 const MESSAGE: &[u8] = b"eng/msg/";
 const FUTURE: &[u8] = b"eng/future/";
@@ -151,12 +168,31 @@ impl Records {
     /// The store's error.
     pub fn delete_group(&self, batch: &mut WriteBatch, id: &GroupId) -> Result<(), KvError> {
         batch.delete(key(GROUP, id, &[]));
+        batch.delete(key(JOURNAL, id, &[]));
         for prefix in [INBOX, MESSAGE, FUTURE] {
             for (k, _) in self.kv.scan_prefix(&key(prefix, id, &[]), usize::MAX)? {
                 batch.delete(k);
             }
         }
         Ok(())
+    }
+
+    /// The group's commit in flight, if any.
+    ///
+    /// # Errors
+    /// The store's error.
+    pub fn journal(&self, group: &GroupId) -> Result<Option<JournalEntry>, KvError> {
+        read(&*self.kv, &key(JOURNAL, group, &[]))
+    }
+
+    /// Stage the group's commit in flight.
+    pub fn put_journal(&self, batch: &mut WriteBatch, group: &GroupId, entry: &JournalEntry) {
+        batch.put(key(JOURNAL, group, &[]), json(entry));
+    }
+
+    /// Stage the end of the group's commit in flight.
+    pub fn clear_journal(&self, batch: &mut WriteBatch, group: &GroupId) {
+        batch.delete(key(JOURNAL, group, &[]));
     }
 
     /// Whether a frame with this ciphertext digest was already handled.
