@@ -74,6 +74,14 @@ pub struct Device {
     manager: GroupPeerManager,
 }
 
+impl Drop for Device {
+    fn drop(&mut self) {
+        // Without `close()`, at least stop every task so nothing keeps
+        // running (and holding the store) for a device nobody has.
+        self.manager.shared.shutdown.cancel();
+    }
+}
+
 impl Device {
     /// Open (or create) the device whose state lives in `dir` (one sled
     /// database), and start its hub links and peers.
@@ -165,12 +173,13 @@ impl Device {
         self.manager.remove(group, device).await
     }
 
-    /// Send `body` to every member of the group; answers the message id.
+    /// Send `body` to every member of the group; answers the message id and
+    /// the epoch it was encrypted in.
     /// Durable once this returns: a hub outage only delays it.
     ///
     /// # Errors
     /// See [`GroupPeerManager::broadcast`].
-    pub async fn send(&self, group: GroupId, body: &[u8]) -> Result<[u8; 16], DeviceError> {
+    pub async fn send(&self, group: GroupId, body: &[u8]) -> Result<super::Sent, DeviceError> {
         self.manager.broadcast(group, body).await
     }
 

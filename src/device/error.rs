@@ -27,6 +27,14 @@ pub enum DeviceError {
         /// The device.
         device: DeviceId,
     },
+    /// Every commit goes through the commit hub: it cannot be unbound.
+    #[error("{hub} is the commit hub of group {group}; it cannot be unbound")]
+    CommitHubBinding {
+        /// The group.
+        group: GroupId,
+        /// The hub.
+        hub: String,
+    },
     /// A group needs at least one hub.
     #[error("a group needs at least one hub")]
     NoHubs,

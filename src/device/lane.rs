@@ -294,9 +294,7 @@ impl GroupPeerManager {
             self.stage_welcome(&mut b, rec, seq, *joiner, welcome)?;
         }
         self.shared.records.clear_journal(&mut b, &rec.id);
-        self.shared.records.put_group(&mut b, rec);
-        guard.finish(b)?;
-        self.after_merge(guard, rec, entry.roster)?;
+        self.after_merge(guard, rec, entry.roster, b)?;
         self.shared.outbox.wake();
         Ok(())
     }

@@ -65,6 +65,9 @@ impl Default for ManagerConfig {
     }
 }
 
+/// Events buffered for a receiver that lags.
+const EVENT_CAPACITY: usize = 65_536;
+
 /// Counters a device reports.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DeviceStats {
@@ -150,6 +153,11 @@ pub(super) struct Shared {
     pub peers: Mutex<HashMap<(GroupId, String), GroupPeer>>,
     pub topics: Mutex<HashMap<GroupId, watch::Sender<GroupTopics>>>,
     pub events: broadcast::Sender<Event>,
+    /// The receiver made with the channel, handed to the first caller of
+    /// `events()`, so events from before the app asked are not lost.
+    pub first_events: Mutex<Option<broadcast::Receiver<Event>>>,
+    /// The device's own hubs: their links stay even when no group uses them.
+    pub own_hubs: Mutex<Vec<String>>,
     pub counters: Counters,
     pub shutdown: CancellationToken,
     pub tasks: TaskTracker,
@@ -236,7 +244,7 @@ impl GroupPeerManager {
         config: ManagerConfig,
         rng: SharedRng,
     ) -> Self {
-        let (events, _) = broadcast::channel(4096);
+        let (events, first_events) = broadcast::channel(EVENT_CAPACITY);
         Self {
             shared: Arc::new(Shared {
                 identity,
@@ -251,6 +259,8 @@ impl GroupPeerManager {
                 peers: Mutex::new(HashMap::new()),
                 topics: Mutex::new(HashMap::new()),
                 events,
+                first_events: Mutex::new(Some(first_events)),
+                own_hubs: Mutex::new(Vec::new()),
                 counters: Counters::default(),
                 shutdown: CancellationToken::new(),
                 tasks: TaskTracker::new(),
@@ -273,6 +283,7 @@ impl GroupPeerManager {
             .tasks
             .spawn(async move { outbox.run(sink, stop).await });
         for hub in hubs {
+            lock(&self.shared.own_hubs).push(hub.trim_end_matches('/').to_string());
             self.hub_link(hub);
         }
         for rec in self.shared.records.groups()? {
@@ -281,9 +292,14 @@ impl GroupPeerManager {
         Ok(())
     }
 
-    /// The event channel.
+    /// The event channel. The first receiver handed out holds every event
+    /// since the device opened (up to the channel's capacity); later ones
+    /// start now. A receiver more than the capacity behind sees `Lagged`.
     pub fn events(&self) -> broadcast::Receiver<Event> {
-        self.shared.events.subscribe()
+        match lock(&self.shared.first_events).take() {
+            Some(rx) => rx,
+            None => self.shared.events.subscribe(),
+        }
     }
 
     pub(super) fn emit(&self, e: Event) {
@@ -377,9 +393,14 @@ impl GroupPeerManager {
                 };
                 match me.accept_welcome(&d.payload).await {
                     Ok(()) => link.ack(vec![d.id]).await,
+                    // A store failure may pass: leave it unacked so the hub
+                    // delivers it again.
+                    Err(e @ DeviceError::Store(_)) => {
+                        tracing::warn!(error = %e, "welcome not handled; will be redelivered");
+                    }
                     Err(e) => {
-                        tracing::warn!(error = %e, "welcome refused");
                         // A refused Welcome will never become acceptable.
+                        tracing::warn!(error = %e, "welcome refused");
                         link.ack(vec![d.id]).await;
                     }
                 }
@@ -462,6 +483,9 @@ impl GroupPeerManager {
             .records
             .group(&group)?
             .ok_or(DeviceError::UnknownGroup(group))?;
+        if rec.commit_hub == hub {
+            return Err(DeviceError::CommitHubBinding { group, hub });
+        }
         rec.hubs.retain(|h| h != &hub);
         let mut b = crate::kv::WriteBatch::new();
         self.shared.records.put_group(&mut b, &rec);
@@ -477,7 +501,8 @@ impl GroupPeerManager {
     /// Stop and drop a link that no peer uses, unless it is one of the
     /// device's own hubs (those stay for Welcomes and key packages).
     async fn gc_link(&self, hub: &str) {
-        let used = lock(&self.shared.peers).keys().any(|(_, h)| h == hub);
+        let used = lock(&self.shared.peers).keys().any(|(_, h)| h == hub)
+            || lock(&self.shared.own_hubs).iter().any(|h| h == hub);
         if used {
             return;
         }

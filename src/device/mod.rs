@@ -24,4 +24,5 @@ pub use error::DeviceError;
 pub use events::Event;
 pub use lane::{CommitReport, LaneState};
 pub use manager::{DeviceStats, FutureFrames, GroupPeer, GroupPeerManager, ManagerConfig};
+pub use peer::Sent;
 pub use records::GroupId;

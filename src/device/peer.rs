@@ -22,6 +22,22 @@ use std::time::Duration;
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
+/// How many epochs ahead a kept future frame may be.
+const FUTURE_WINDOW: u64 = 8;
+
+/// How often a peer on the commit hub pulls even without a push, so a pull
+/// that failed (a flaky hub) is retried while the link stays up.
+const PULL_INTERVAL: Duration = Duration::from_secs(5);
+
+/// A message handed to the outbox.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Sent {
+    /// The message id receivers see.
+    pub id: [u8; 16],
+    /// The epoch it was encrypted in: the members of that epoch can read it.
+    pub epoch: u64,
+}
+
 /// Serialized pool key packages and, when asked for, a last-resort one.
 type KeyPackages = (Vec<Vec<u8>>, Option<Vec<u8>>);
 
@@ -108,18 +124,19 @@ impl GroupPeerManager {
                 link.unsubscribe(&topic).await;
             }
             if first && is_commit_hub {
-                let _ = tx
-                    .send(Item {
-                        topic: t.commit.clone(),
-                        payload: Vec::new(),
-                        ack: None,
-                    })
-                    .await;
+                if let Err(e) = self.pull(group).await {
+                    tracing::debug!(%group, error = %e, "initial pull failed; retried on the next tick");
+                }
             }
             first = false;
             tokio::select! {
                 _ = cancel.cancelled() => break,
                 r = topics_rx.changed() => if r.is_err() { break },
+                _ = tokio::time::sleep(PULL_INTERVAL), if is_commit_hub => {
+                    if let Err(e) = self.pull(group).await {
+                        tracing::debug!(%group, error = %e, "periodic pull failed");
+                    }
+                }
                 item = rx.recv() => {
                     let Some(item) = item else { break };
                     let r = if item.topic == t.commit {
@@ -139,8 +156,15 @@ impl GroupPeerManager {
                 }
             }
         }
-        for (_, h) in subs {
+        // A peer removed while the device runs (left the group, unbound the
+        // hub) drops its hub subscriptions, which are durable; a device
+        // shutting down keeps them so nothing is missed while it is away.
+        let removed = !self.shared.shutdown.is_cancelled();
+        for (topic, h) in subs {
             h.abort();
+            if removed {
+                link.unsubscribe(&topic).await;
+            }
         }
     }
 
@@ -279,7 +303,7 @@ impl GroupPeerManager {
                         return Ok(f.head);
                     }
                     FrameEffect::Merged { roster } => {
-                        self.after_merge(guard, rec, roster)?;
+                        self.after_merge(guard, rec, roster, WriteBatch::new())?;
                     }
                     FrameEffect::Removed => {
                         self.leave(guard, rec.id).await?;
@@ -305,13 +329,15 @@ impl GroupPeerManager {
         guard: &mut GroupGuard,
         rec: &mut GroupRecord,
         roster: bool,
+        mut b: WriteBatch,
     ) -> Result<(), DeviceError> {
         if roster {
             let topic = self.current_app_topic(guard)?;
             rec.rotate_app_topic(topic);
         }
         let epoch = guard.read(|g| g.epoch().as_u64())?;
-        let mut b = WriteBatch::new();
+        // The merge (staged in the guard), the record with its new cursor and
+        // app topic, and the caller's own changes land as one batch.
         self.shared.records.put_group(&mut b, rec);
         // Frames of epochs older than the kept window can no longer be read
         // anyway: their inbox entries are dead weight.
@@ -509,6 +535,14 @@ impl GroupPeerManager {
             self.shared.records.mark_frame(b, &group, &d, ours);
             return Ok(vec![]);
         };
+        // A frame claiming a far-future epoch is no message we could ever
+        // be waiting for (a few commits at most race a message): keeping it
+        // would let anyone fill the store.
+        if pm.epoch().as_u64() > ours + FUTURE_WINDOW {
+            c.dropped.fetch_add(1, Ordering::Relaxed);
+            self.shared.records.mark_frame(b, &group, &d, ours);
+            return Ok(vec![]);
+        }
         if pm.epoch().as_u64() > ours {
             match self.shared.config.future_frames {
                 FutureFrames::Persist => self.shared.records.keep_future(b, &group, &d, payload),
@@ -718,7 +752,7 @@ impl GroupPeerManager {
     /// # Errors
     /// `UnknownGroup`, MLS or store errors. Hub outages are not errors: the
     /// outbox delivers once the hub is back.
-    pub async fn broadcast(&self, group: GroupId, body: &[u8]) -> Result<[u8; 16], DeviceError> {
+    pub async fn broadcast(&self, group: GroupId, body: &[u8]) -> Result<Sent, DeviceError> {
         let mut guard = self.shared.registry.lock(group).await;
         let rec = self
             .shared
@@ -768,7 +802,7 @@ impl GroupPeerManager {
         guard.finish(b)?;
         drop(guard);
         self.shared.outbox.wake();
-        Ok(id)
+        Ok(Sent { id, epoch })
     }
 
     /// Make `n` pool key packages (and a last-resort one when asked), their
