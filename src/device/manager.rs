@@ -51,6 +51,20 @@ pub struct ManagerConfig {
     pub commit_deadline: Duration,
     /// Key packages kept in the pool on each hub.
     pub key_packages: u32,
+    /// Called synchronously with every event as it is emitted, after the
+    /// state it reports is durable: for harnesses that must not miss one
+    /// (the broadcast channel drops events for a lagging receiver).
+    pub observer: Option<Observer>,
+}
+
+/// A synchronous event callback (see [`ManagerConfig::observer`]).
+#[derive(Clone)]
+pub struct Observer(pub Arc<dyn Fn(&Event) + Send + Sync>);
+
+impl std::fmt::Debug for Observer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Observer")
+    }
 }
 
 impl Default for ManagerConfig {
@@ -61,6 +75,7 @@ impl Default for ManagerConfig {
             forwarding: false,
             commit_deadline: Duration::from_secs(30),
             key_packages: 10,
+            observer: None,
         }
     }
 }
@@ -177,6 +192,17 @@ pub struct Faults {
     /// Stop a commit right after the hub accepted it, before the merge, as a
     /// crash there would.
     pub halt_after_accept: std::sync::atomic::AtomicBool,
+    /// Merge a commit even when it lost the compare-and-set (forks the
+    /// group).
+    pub merge_on_mismatch: std::sync::atomic::AtomicBool,
+    /// Hand every received message to the app twice (a broken inbox).
+    pub double_emit: std::sync::atomic::AtomicBool,
+    /// Never deliver anything from the outbox.
+    pub blackhole_outbox: std::sync::atomic::AtomicBool,
+    /// Never apply commits from the commit log.
+    pub no_pull: std::sync::atomic::AtomicBool,
+    /// Panic on every received app frame.
+    pub panic_on_receive: std::sync::atomic::AtomicBool,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -206,6 +232,12 @@ impl OutboxSink for LinkSink {
                     after: None,
                 });
             };
+            if shared.faults.blackhole_outbox.load(Ordering::Relaxed) {
+                return Err(SendFailure::Retry {
+                    reason: "blackholed (test fault)".into(),
+                    after: None,
+                });
+            }
             let link = GroupPeerManager { shared }.hub_link(&hub);
             link.publish(p).await.map_err(send_failure)
         })
@@ -303,6 +335,9 @@ impl GroupPeerManager {
     }
 
     pub(super) fn emit(&self, e: Event) {
+        if let Some(o) = &self.shared.config.observer {
+            (o.0)(&e);
+        }
         let _ = self.shared.events.send(e);
     }
 

@@ -23,6 +23,6 @@ pub use api::{Device, DeviceOptions};
 pub use error::DeviceError;
 pub use events::Event;
 pub use lane::{CommitReport, LaneState};
-pub use manager::{DeviceStats, FutureFrames, GroupPeer, GroupPeerManager, ManagerConfig};
+pub use manager::{DeviceStats, FutureFrames, GroupPeer, GroupPeerManager, ManagerConfig, Observer};
 pub use peer::Sent;
 pub use records::GroupId;

@@ -233,6 +233,9 @@ impl GroupPeerManager {
     /// # Errors
     /// `UnknownGroup`, a hub error, or the store's error.
     pub async fn pull(&self, group: GroupId) -> Result<Option<u64>, DeviceError> {
+        if self.shared.faults.no_pull.load(Ordering::Relaxed) {
+            return Ok(None);
+        }
         // Look first without the group's lock: an unreachable commit hub or
         // a log with nothing new must not hold up sends and app frames.
         let seen = self
@@ -266,11 +269,21 @@ impl GroupPeerManager {
         self.replay_journal(guard, rec).await?;
         let link = self.hub_link(&rec.commit_hub);
         let topic = topics::commit_topic(&rec.id.0);
+        let mut caught_up = false;
         loop {
             let f = link
                 .fetch(&topic, rec.commit_cursor, 100)
                 .await
                 .map_err(|e| hub_error(&rec.commit_hub, e))?;
+            if !caught_up && !f.messages.is_empty() {
+                // Read the current epoch's messages before moving on: once
+                // the group is more than a few epochs further, they can no
+                // longer be decrypted.
+                if let Some(app) = rec.app_topics.first().cloned() {
+                    self.catch_up_locked(guard, rec, &link, &app).await;
+                }
+                caught_up = true;
+            }
             if f.gap {
                 if !rec.stranded {
                     rec.stranded = true;
@@ -304,12 +317,53 @@ impl GroupPeerManager {
                     }
                     FrameEffect::Merged { roster } => {
                         self.after_merge(guard, rec, roster, WriteBatch::new())?;
+                        if roster {
+                            // A new app topic: read what it already holds
+                            // while its epoch is still readable.
+                            if let Some(app) = rec.app_topics.first().cloned() {
+                                self.catch_up_locked(guard, rec, &link, &app).await;
+                            }
+                        }
                     }
                     FrameEffect::Removed => {
                         self.leave(guard, rec.id).await?;
                         return Ok(f.head);
                     }
                 }
+            }
+        }
+    }
+
+    /// Read an app topic's whole log through `link` and handle every frame
+    /// (with the group's lock held). Best effort: an unreachable hub leaves
+    /// it to the peers' own catch-up and to pushes.
+    async fn catch_up_locked(&self, guard: &mut GroupGuard, rec: &GroupRecord, link: &HubLink, topic: &TopicId) {
+        let mut after = 0;
+        loop {
+            let Ok(f) = link.fetch(topic, after, 200).await else {
+                return;
+            };
+            let done = f.messages.len() < 200;
+            let mut b = WriteBatch::new();
+            let mut events = Vec::new();
+            for m in f.messages {
+                after = m.seq;
+                match self.receive_locked(guard, rec.id, &m.payload, &mut b) {
+                    Ok(e) => events.extend(e),
+                    Err(e) => {
+                        tracing::debug!(group = %rec.id, error = %e, "catch-up frame not handled");
+                        return;
+                    }
+                }
+            }
+            if guard.finish(b).is_err() {
+                return;
+            }
+            for e in events {
+                self.emit(e);
+            }
+            if done {
+                return;
             }
         }
     }
@@ -469,6 +523,9 @@ impl GroupPeerManager {
         payload: &[u8],
         via: Option<(&str, &TopicId)>,
     ) -> Result<(), DeviceError> {
+        if self.shared.faults.panic_on_receive.load(Ordering::Relaxed) {
+            panic!("test fault: panic on receive");
+        }
         let mut guard = self.shared.registry.lock(group).await;
         let Some(rec) = self.shared.records.group(&group)? else {
             return Err(DeviceError::UnknownGroup(group));
@@ -505,7 +562,11 @@ impl GroupPeerManager {
         if forwarded {
             self.shared.outbox.wake();
         }
+        let twice = self.shared.faults.double_emit.load(Ordering::Relaxed);
         for e in events {
+            if twice {
+                self.emit(e.clone());
+            }
             self.emit(e);
         }
         Ok(())

@@ -1,4 +1,6 @@
-//! The hub topics of a group, derived so that no hub learns the group.
+//! The hub topics of a group, derived so that topic names alone do not name
+//! the group (the MLS framing inside payloads does carry the group id; a hub
+//! that parses payloads can link them).
 //!
 //! The commit and rendezvous topics come from the group id, which is fixed at
 //! creation and carried in every Welcome and GroupInfo, so a member stranded

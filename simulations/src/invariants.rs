@@ -1,0 +1,301 @@
+//! What must hold once the faults stop and the system is quiet. Each
+//! violation names the invariant, the group and the devices.
+
+use hubsync::device::{Event, GroupId};
+use hubsync::wire::DeviceId;
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// One broken invariant.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct Violation {
+    /// Which invariant: `convergence`, `membership`, `accepted-commits`,
+    /// `message-lost`, `message-duplicated`, `outbox-drained`, `no-panic`,
+    /// `quiescence`.
+    pub invariant: &'static str,
+    /// The group, hex.
+    pub group: Option<String>,
+    /// The devices involved (short hex).
+    pub devices: Vec<String>,
+    /// What was seen.
+    pub detail: String,
+}
+
+impl Violation {
+    /// A violation.
+    pub fn new(invariant: &'static str, group: Option<GroupId>, devices: Vec<DeviceId>, detail: String) -> Self {
+        Self {
+            invariant,
+            group: group.map(|g| g.to_string()[..12].to_string()),
+            devices: devices.iter().map(short).collect(),
+            detail,
+        }
+    }
+}
+
+impl std::fmt::Display for Violation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.invariant)?;
+        if let Some(g) = &self.group {
+            write!(f, " in group {g}")?;
+        }
+        if !self.devices.is_empty() {
+            write!(f, " at {}", self.devices.join(", "))?;
+        }
+        write!(f, ": {}", self.detail)
+    }
+}
+
+fn short(d: &DeviceId) -> String {
+    d.to_string()[..8].to_string()
+}
+
+/// A message whose `send` returned.
+#[derive(Clone, Debug)]
+pub struct Sent {
+    /// The group.
+    pub group: GroupId,
+    /// The sender.
+    pub sender: DeviceId,
+    /// Its id.
+    pub id: [u8; 16],
+    /// The epoch it was encrypted in.
+    pub epoch: u64,
+}
+
+/// One group as a device sees it at the end.
+#[derive(Clone, Debug)]
+pub struct FinalGroup {
+    /// The group.
+    pub group: GroupId,
+    /// Its epoch.
+    pub epoch: u64,
+    /// Its epoch authenticator.
+    pub authenticator: Vec<u8>,
+    /// Its members.
+    pub members: Vec<DeviceId>,
+    /// Last commit-log position applied.
+    pub commit_cursor: u64,
+    /// The commit hub.
+    pub commit_hub: String,
+    /// Whether the device thinks it was left behind.
+    pub stranded: bool,
+}
+
+/// One device at the end.
+#[derive(Clone, Debug)]
+pub struct FinalState {
+    /// The device (zero when it did not answer).
+    pub device: DeviceId,
+    /// Its groups.
+    pub groups: Vec<FinalGroup>,
+    /// Outbox entries still owed.
+    pub outbox_pending: usize,
+    /// Commits it landed.
+    pub commits: u64,
+}
+
+impl FinalState {
+    /// A device that did not answer.
+    pub fn unreachable() -> Self {
+        Self {
+            device: DeviceId([0; 32]),
+            groups: Vec::new(),
+            outbox_pending: usize::MAX,
+            commits: 0,
+        }
+    }
+}
+
+/// Whether the system looks settled: every device answered, outboxes are
+/// drained, and every group's holders agree.
+pub fn settled(finals: &[FinalState]) -> bool {
+    if finals.iter().any(|f| f.outbox_pending != 0) {
+        return false;
+    }
+    let mut by_group: BTreeMap<GroupId, BTreeSet<(u64, Vec<u8>)>> = BTreeMap::new();
+    for f in finals {
+        for g in &f.groups {
+            by_group
+                .entry(g.group)
+                .or_default()
+                .insert((g.epoch, g.authenticator.clone()));
+        }
+    }
+    by_group.values().all(|s| s.len() == 1)
+}
+
+/// A stable one-line form of an event for the trace hash.
+pub fn event_line(e: &Event) -> String {
+    match e {
+        Event::MessageReceived { group, sender, id, .. } => {
+            format!("msg {} {} {}", &group.to_string()[..8], short(sender), hex::encode(id))
+        }
+        Event::GroupJoined { group, epoch } => format!("joined {} {epoch}", &group.to_string()[..8]),
+        Event::EpochChanged { group, epoch } => format!("epoch {} {epoch}", &group.to_string()[..8]),
+        Event::MembersChanged { group, members } => {
+            format!("members {} {}", &group.to_string()[..8], members.len())
+        }
+        Event::Removed { group } => format!("removed {}", &group.to_string()[..8]),
+        Event::Conflict { group, id } => format!("conflict {} {}", &group.to_string()[..8], hex::encode(id)),
+        Event::Stranded { group } => format!("stranded {}", &group.to_string()[..8]),
+        Event::HubStatus { url, .. } => format!("hub {url}"),
+    }
+}
+
+/// Check every invariant over the end state, the sends, and the events.
+pub fn check(
+    finals: &[FinalState],
+    heads: &BTreeMap<GroupId, Option<u64>>,
+    sent: &[Sent],
+    events: &[(u64, usize, Event)],
+    ids: &BTreeMap<usize, DeviceId>,
+) -> Vec<Violation> {
+    let mut v = Vec::new();
+    let mut holders: BTreeMap<GroupId, Vec<(DeviceId, &FinalGroup)>> = BTreeMap::new();
+    for f in finals {
+        if f.device == DeviceId([0; 32]) {
+            v.push(Violation::new("quiescence", None, vec![], "a device did not answer".into()));
+            continue;
+        }
+        if f.outbox_pending != 0 {
+            v.push(Violation::new(
+                "outbox-drained",
+                None,
+                vec![f.device],
+                format!("{} entries still owed", f.outbox_pending),
+            ));
+        }
+        for g in &f.groups {
+            holders.entry(g.group).or_default().push((f.device, g));
+        }
+    }
+
+    for (group, hs) in &holders {
+        // Convergence: one epoch, one authenticator (no fork survives).
+        let states: BTreeSet<(u64, Vec<u8>)> = hs.iter().map(|(_, g)| (g.epoch, g.authenticator.clone())).collect();
+        if states.len() > 1 {
+            let detail = hs
+                .iter()
+                .map(|(d, g)| format!("{}@{}:{}", short(d), g.epoch, &hex::encode(&g.authenticator)[..8]))
+                .collect::<Vec<_>>()
+                .join(" ");
+            v.push(Violation::new(
+                "convergence",
+                Some(*group),
+                hs.iter().map(|(d, _)| *d).collect(),
+                detail,
+            ));
+            continue;
+        }
+        // Membership: the agreed roster is exactly the devices holding it.
+        let roster: BTreeSet<DeviceId> = hs[0].1.members.iter().copied().collect();
+        let holding: BTreeSet<DeviceId> = hs.iter().map(|(d, _)| *d).collect();
+        if roster != holding {
+            let odd: Vec<DeviceId> = roster.symmetric_difference(&holding).copied().collect();
+            v.push(Violation::new(
+                "membership",
+                Some(*group),
+                odd,
+                format!("roster has {} members, {} devices hold the group", roster.len(), holding.len()),
+            ));
+        }
+        // Every accepted commit is in every member's history.
+        if let Some(Some(head)) = heads.get(group) {
+            let behind: Vec<DeviceId> = hs.iter().filter(|(_, g)| g.commit_cursor < *head).map(|(d, _)| *d).collect();
+            if !behind.is_empty() {
+                v.push(Violation::new(
+                    "accepted-commits",
+                    Some(*group),
+                    behind,
+                    format!("commit hub head {head}, some members applied less"),
+                ));
+            }
+        }
+        let stranded: Vec<DeviceId> = hs.iter().filter(|(_, g)| g.stranded).map(|(d, _)| *d).collect();
+        if !stranded.is_empty() {
+            v.push(Violation::new("convergence", Some(*group), stranded, "stranded".into()));
+        }
+    }
+
+    // Messages: every member of the message's epoch that still holds the
+    // group got it exactly once; nobody got anything twice.
+    let index: BTreeMap<DeviceId, usize> = ids.iter().map(|(i, d)| (*d, *i)).collect();
+    let mut got: BTreeMap<(usize, GroupId, [u8; 16]), usize> = BTreeMap::new();
+    let mut joined_at: BTreeMap<(usize, GroupId), u64> = BTreeMap::new();
+    for (_, dev, e) in events {
+        match e {
+            Event::MessageReceived { group, id, .. } => *got.entry((*dev, *group, *id)).or_default() += 1,
+            Event::GroupJoined { group, epoch } => {
+                joined_at.insert((*dev, *group), *epoch);
+            }
+            _ => {}
+        }
+    }
+    for ((dev, group, id), n) in &got {
+        if *n > 1 {
+            let d = ids.get(dev).copied().into_iter().collect();
+            v.push(Violation::new(
+                "message-duplicated",
+                Some(*group),
+                d,
+                format!("message {} delivered {n} times", hex::encode(id)),
+            ));
+        }
+    }
+    for m in sent {
+        let Some(hs) = holders.get(&m.group) else { continue };
+        for (d, _) in hs {
+            if *d == m.sender {
+                continue;
+            }
+            let Some(&i) = index.get(d) else { continue };
+            let Some(&joined) = joined_at.get(&(i, m.group)) else { continue };
+            if joined > m.epoch {
+                continue;
+            }
+            if got.get(&(i, m.group, m.id)).copied().unwrap_or(0) == 0 {
+                v.push(Violation::new(
+                    "message-lost",
+                    Some(m.group),
+                    vec![*d, m.sender],
+                    format!("message {} of epoch {} never arrived (member since epoch {joined})", hex::encode(m.id), m.epoch),
+                ));
+            }
+        }
+    }
+    v
+}
+
+/// Records panics anywhere in the run (tokio catches a panicking task, so
+/// without this a panic could pass unnoticed).
+pub struct PanicCatcher {
+    seen: Arc<Mutex<Vec<String>>>,
+}
+
+static PANICS: OnceLock<Arc<Mutex<Vec<String>>>> = OnceLock::new();
+
+impl PanicCatcher {
+    /// Install the hook (once per process) and start a fresh record.
+    pub fn install() -> Self {
+        let seen = PANICS
+            .get_or_init(|| {
+                let seen: Arc<Mutex<Vec<String>>> = Arc::default();
+                let s = seen.clone();
+                let previous = std::panic::take_hook();
+                std::panic::set_hook(Box::new(move |info| {
+                    s.lock().unwrap_or_else(|p| p.into_inner()).push(info.to_string());
+                    previous(info);
+                }));
+                seen
+            })
+            .clone();
+        seen.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        Self { seen }
+    }
+
+    /// The panics since `install`.
+    pub fn take(&self) -> Vec<String> {
+        std::mem::take(&mut *self.seen.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+}
