@@ -6,8 +6,11 @@ use openmls::prelude::*;
 pub const CIPHERSUITE: Ciphersuite = Ciphersuite::MLS_128_DHKEMX25519_AES128GCM_SHA256_Ed25519;
 
 /// Past epochs whose message keys are kept, so a message that raced a
-/// commit is still readable after it.
-pub const MAX_PAST_EPOCHS: usize = 3;
+/// commit, or was sent by a member cut off from the commit hub while the
+/// others moved on, is still readable. A message more than this many epochs
+/// behind its readers cannot be decrypted (MLS forward secrecy); the window
+/// trades that against how long old message keys live.
+pub const MAX_PAST_EPOCHS: usize = 10;
 
 /// Label of the exporter secret the app topic derives from.
 pub use super::topics::APP_TOPIC_LABEL;
