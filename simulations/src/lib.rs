@@ -856,9 +856,13 @@ async fn drive(cfg: SimConfig, devs: Vec<mpsc::Sender<Cmd>>, world: Arc<World>) 
     world.control(Control::Drops(false));
     let healed_at = now_ms();
     world.trace(format!("{healed_at} healed"));
+    // Quiet long enough that a connection the faults left hanging is found
+    // dead by its keepalive and resumed; then look.
+    const QUIET: u64 = 45_000;
+    const GIVE_UP: u64 = 300_000;
     let mut converge_ms = None;
     let mut finals = Vec::new();
-    for _ in 0..240 {
+    loop {
         tokio::time::sleep(Duration::from_millis(500)).await;
         finals.clear();
         for tx in &devs {
@@ -867,17 +871,16 @@ async fn drive(cfg: SimConfig, devs: Vec<mpsc::Sender<Cmd>>, world: Arc<World>) 
                 None => finals.push(FinalState::unreachable()),
             }
         }
+        let since = now_ms() - healed_at;
         if invariants::settled(&finals) {
-            converge_ms = Some(now_ms() - healed_at);
-            // Let in-flight deliveries land before the final look.
-            tokio::time::sleep(Duration::from_secs(2)).await;
-            finals.clear();
-            for tx in &devs {
-                match ask(tx, Duration::from_secs(20), Cmd::State).await {
-                    Some(s) => finals.push(s),
-                    None => finals.push(FinalState::unreachable()),
-                }
+            converge_ms.get_or_insert(since);
+            if since >= QUIET {
+                break;
             }
+        } else {
+            converge_ms = None;
+        }
+        if since >= GIVE_UP {
             break;
         }
     }

@@ -696,21 +696,53 @@ impl GroupPeerManager {
     /// already joined.
     pub(super) async fn join(&self, env: &WelcomeEnvelope) -> Result<bool, DeviceError> {
         let mut guard = self.shared.registry.lock(env.group).await;
-        if self.shared.records.group(&env.group)?.is_some() && guard.exists()? {
-            return Ok(false);
-        }
         let body = MlsMessageIn::tls_deserialize_exact(&env.welcome)
             .map_err(|e| DeviceError::Mls(e.to_string()))?
             .extract();
         let MlsMessageBodyIn::Welcome(welcome) = body else {
             return Err(DeviceError::Mls("the envelope holds no Welcome".into()));
         };
+        // Already holding the group: a repeated Welcome is ignored, but one
+        // for a later epoch means we were removed (without having seen it
+        // yet) and invited again, so the old state gives way to the new, in
+        // the same batch.
+        let held = if self.shared.records.group(&env.group)?.is_some() && guard.exists()? {
+            let ours = guard.read(|g| g.epoch().as_u64())?;
+            guard
+                .with(|g, p| {
+                    let _ = g.delete(p.storage());
+                    p.storage().purge_group(&env.group.to_mls())
+                })?
+                .map_err(|e| DeviceError::Store(e.to_string()))?;
+            Some(ours)
+        } else {
+            None
+        };
         let group = {
             let p = guard.provider();
-            StagedWelcome::new_from_welcome(p, &mls::join_config(), welcome, None)
-                .map_err(|e| DeviceError::Mls(e.to_string()))?
-                .into_group(p)
-                .map_err(|e| DeviceError::Mls(e.to_string()))?
+            let staged = match StagedWelcome::new_from_welcome(p, &mls::join_config(), welcome, None) {
+                Ok(s) => s,
+                Err(e) => {
+                    guard.discard();
+                    if held.is_some() {
+                        // Most likely the key package of a Welcome we
+                        // already used: a repeat.
+                        return Ok(false);
+                    }
+                    return Err(DeviceError::Mls(e.to_string()));
+                }
+            };
+            if held.is_some_and(|ours| staged.group_context().epoch().as_u64() <= ours) {
+                guard.discard();
+                return Ok(false);
+            }
+            match staged.into_group(p) {
+                Ok(g) => g,
+                Err(e) => {
+                    guard.discard();
+                    return Err(DeviceError::Mls(e.to_string()));
+                }
+            }
         };
         if group.group_id().as_slice() != env.group.0 {
             guard.discard();
