@@ -268,34 +268,49 @@ pub fn check(
 }
 
 /// Records panics anywhere in the run (tokio catches a panicking task, so
-/// without this a panic could pass unnoticed).
+/// without this a panic could pass unnoticed). A run is single-threaded, so
+/// only panics on the calling thread are its own: other runs in the same
+/// process (parallel tests) are not mixed in.
 pub struct PanicCatcher {
-    seen: Arc<Mutex<Vec<String>>>,
+    thread: std::thread::ThreadId,
 }
 
-static PANICS: OnceLock<Arc<Mutex<Vec<String>>>> = OnceLock::new();
+type PanicLog = Arc<Mutex<Vec<(std::thread::ThreadId, String)>>>;
+
+static PANICS: OnceLock<PanicLog> = OnceLock::new();
+
+fn panic_log() -> &'static PanicLog {
+    PANICS.get_or_init(|| {
+        let seen: PanicLog = Arc::default();
+        let s = seen.clone();
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            s.lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push((std::thread::current().id(), info.to_string()));
+            previous(info);
+        }));
+        seen
+    })
+}
 
 impl PanicCatcher {
-    /// Install the hook (once per process) and start a fresh record.
+    /// Install the hook (once per process) and start a fresh record for
+    /// this thread.
     pub fn install() -> Self {
-        let seen = PANICS
-            .get_or_init(|| {
-                let seen: Arc<Mutex<Vec<String>>> = Arc::default();
-                let s = seen.clone();
-                let previous = std::panic::take_hook();
-                std::panic::set_hook(Box::new(move |info| {
-                    s.lock().unwrap_or_else(|p| p.into_inner()).push(info.to_string());
-                    previous(info);
-                }));
-                seen
-            })
-            .clone();
-        seen.lock().unwrap_or_else(|p| p.into_inner()).clear();
-        Self { seen }
+        let thread = std::thread::current().id();
+        panic_log()
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|(t, _)| *t != thread);
+        Self { thread }
     }
 
-    /// The panics since `install`.
+    /// This thread's panics since `install`.
     pub fn take(&self) -> Vec<String> {
-        std::mem::take(&mut *self.seen.lock().unwrap_or_else(|p| p.into_inner()))
+        let mut log = panic_log().lock().unwrap_or_else(|p| p.into_inner());
+        let mine = log.iter().filter(|(t, _)| *t == self.thread).map(|(_, m)| m.clone()).collect();
+        log.retain(|(t, _)| *t != self.thread);
+        mine
     }
 }

@@ -130,7 +130,7 @@ pub struct Breaks {
     pub double_emit: bool,
     /// Outboxes never deliver.
     pub blackhole_outbox: bool,
-    /// Device 0 never applies commits.
+    /// Devices never follow commits others made.
     pub no_pull: bool,
     /// Devices panic on every received message.
     pub panic_on_receive: bool,
@@ -399,11 +399,18 @@ pub fn run_seed(cfg: &SimConfig) -> SeedReport {
                 }
             }
         }
-        match sim.step() {
-            Ok(true) => break,
-            Ok(false) => {}
-            Err(e) => {
+        // A panicking task shuts its host's runtime down and the panic comes
+        // out of the step: record it as the violation it is.
+        let step = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| sim.step()));
+        match step {
+            Ok(Ok(true)) => break,
+            Ok(Ok(false)) => {}
+            Ok(Err(e)) => {
                 sim_error = Some(e.to_string());
+                break;
+            }
+            Err(_) => {
+                sim_error = Some("a host panicked".into());
                 break;
             }
         }
@@ -517,7 +524,7 @@ async fn device_host(
         f.merge_on_mismatch.store(cfg.breaks.merge_on_mismatch, Relaxed);
         f.double_emit.store(cfg.breaks.double_emit, Relaxed);
         f.blackhole_outbox.store(cfg.breaks.blackhole_outbox, Relaxed);
-        f.no_pull.store(cfg.breaks.no_pull && i == 0, Relaxed);
+        f.no_pull.store(cfg.breaks.no_pull, Relaxed);
         f.panic_on_receive.store(cfg.breaks.panic_on_receive, Relaxed);
     }
     world
