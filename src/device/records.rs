@@ -58,8 +58,11 @@ pub struct GroupRecord {
     pub poison: u64,
 }
 
-/// How many app topics a group keeps reading.
-pub const APP_TOPICS_KEPT: usize = 3;
+/// How many app topics a group keeps reading: enough to cover every epoch
+/// whose messages are still readable (a roster change at each of them at
+/// worst), so a member that fell behind and sends from an old epoch, on
+/// that epoch's topic, is still heard.
+pub const APP_TOPICS_KEPT: usize = super::mls::MAX_PAST_EPOCHS + 1;
 
 impl GroupRecord {
     /// Make `topic` the current app topic, keeping a few previous ones.
