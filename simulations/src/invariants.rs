@@ -23,7 +23,12 @@ pub struct Violation {
 
 impl Violation {
     /// A violation.
-    pub fn new(invariant: &'static str, group: Option<GroupId>, devices: Vec<DeviceId>, detail: String) -> Self {
+    pub fn new(
+        invariant: &'static str,
+        group: Option<GroupId>,
+        devices: Vec<DeviceId>,
+        detail: String,
+    ) -> Self {
         Self {
             invariant,
             group: group.map(|g| g.to_string()[..12].to_string()),
@@ -128,16 +133,29 @@ pub fn settled(finals: &[FinalState]) -> bool {
 /// A stable one-line form of an event for the trace hash.
 pub fn event_line(e: &Event) -> String {
     match e {
-        Event::MessageReceived { group, sender, id, .. } => {
-            format!("msg {} {} {}", &group.to_string()[..8], short(sender), hex::encode(id))
+        Event::MessageReceived {
+            group, sender, id, ..
+        } => {
+            format!(
+                "msg {} {} {}",
+                &group.to_string()[..8],
+                short(sender),
+                hex::encode(id)
+            )
         }
-        Event::GroupJoined { group, epoch } => format!("joined {} {epoch}", &group.to_string()[..8]),
-        Event::EpochChanged { group, epoch } => format!("epoch {} {epoch}", &group.to_string()[..8]),
+        Event::GroupJoined { group, epoch } => {
+            format!("joined {} {epoch}", &group.to_string()[..8])
+        }
+        Event::EpochChanged { group, epoch } => {
+            format!("epoch {} {epoch}", &group.to_string()[..8])
+        }
         Event::MembersChanged { group, members } => {
             format!("members {} {}", &group.to_string()[..8], members.len())
         }
         Event::Removed { group } => format!("removed {}", &group.to_string()[..8]),
-        Event::Conflict { group, id } => format!("conflict {} {}", &group.to_string()[..8], hex::encode(id)),
+        Event::Conflict { group, id } => {
+            format!("conflict {} {}", &group.to_string()[..8], hex::encode(id))
+        }
         Event::Stranded { group } => format!("stranded {}", &group.to_string()[..8]),
         Event::HubStatus { url, .. } => format!("hub {url}"),
     }
@@ -155,7 +173,12 @@ pub fn check(
     let mut holders: BTreeMap<GroupId, Vec<(DeviceId, &FinalGroup)>> = BTreeMap::new();
     for f in finals {
         if f.device == DeviceId([0; 32]) {
-            v.push(Violation::new("quiescence", None, vec![], "a device did not answer".into()));
+            v.push(Violation::new(
+                "quiescence",
+                None,
+                vec![],
+                "a device did not answer".into(),
+            ));
             continue;
         }
         if f.outbox_pending != 0 {
@@ -173,11 +196,21 @@ pub fn check(
 
     for (group, hs) in &holders {
         // Convergence: one epoch, one authenticator (no fork survives).
-        let states: BTreeSet<(u64, Vec<u8>)> = hs.iter().map(|(_, g)| (g.epoch, g.authenticator.clone())).collect();
+        let states: BTreeSet<(u64, Vec<u8>)> = hs
+            .iter()
+            .map(|(_, g)| (g.epoch, g.authenticator.clone()))
+            .collect();
         if states.len() > 1 {
             let detail = hs
                 .iter()
-                .map(|(d, g)| format!("{}@{}:{}", short(d), g.epoch, &hex::encode(&g.authenticator)[..8]))
+                .map(|(d, g)| {
+                    format!(
+                        "{}@{}:{}",
+                        short(d),
+                        g.epoch,
+                        &hex::encode(&g.authenticator)[..8]
+                    )
+                })
                 .collect::<Vec<_>>()
                 .join(" ");
             v.push(Violation::new(
@@ -197,12 +230,20 @@ pub fn check(
                 "membership",
                 Some(*group),
                 odd,
-                format!("roster has {} members, {} devices hold the group", roster.len(), holding.len()),
+                format!(
+                    "roster has {} members, {} devices hold the group",
+                    roster.len(),
+                    holding.len()
+                ),
             ));
         }
         // Every accepted commit is in every member's history.
         if let Some(Some(head)) = heads.get(group) {
-            let behind: Vec<DeviceId> = hs.iter().filter(|(_, g)| g.commit_cursor < *head).map(|(d, _)| *d).collect();
+            let behind: Vec<DeviceId> = hs
+                .iter()
+                .filter(|(_, g)| g.commit_cursor < *head)
+                .map(|(d, _)| *d)
+                .collect();
             if !behind.is_empty() {
                 v.push(Violation::new(
                     "accepted-commits",
@@ -212,9 +253,18 @@ pub fn check(
                 ));
             }
         }
-        let stranded: Vec<DeviceId> = hs.iter().filter(|(_, g)| g.stranded).map(|(d, _)| *d).collect();
+        let stranded: Vec<DeviceId> = hs
+            .iter()
+            .filter(|(_, g)| g.stranded)
+            .map(|(d, _)| *d)
+            .collect();
         if !stranded.is_empty() {
-            v.push(Violation::new("convergence", Some(*group), stranded, "stranded".into()));
+            v.push(Violation::new(
+                "convergence",
+                Some(*group),
+                stranded,
+                "stranded".into(),
+            ));
         }
     }
 
@@ -225,7 +275,9 @@ pub fn check(
     let mut joined_at: BTreeMap<(usize, GroupId), u64> = BTreeMap::new();
     for (_, dev, e) in events {
         match e {
-            Event::MessageReceived { group, id, .. } => *got.entry((*dev, *group, *id)).or_default() += 1,
+            Event::MessageReceived { group, id, .. } => {
+                *got.entry((*dev, *group, *id)).or_default() += 1
+            }
             Event::GroupJoined { group, epoch } => {
                 joined_at.insert((*dev, *group), *epoch);
             }
@@ -244,13 +296,17 @@ pub fn check(
         }
     }
     for m in sent {
-        let Some(hs) = holders.get(&m.group) else { continue };
+        let Some(hs) = holders.get(&m.group) else {
+            continue;
+        };
         for (d, _) in hs {
             if *d == m.sender {
                 continue;
             }
             let Some(&i) = index.get(d) else { continue };
-            let Some(&joined) = joined_at.get(&(i, m.group)) else { continue };
+            let Some(&joined) = joined_at.get(&(i, m.group)) else {
+                continue;
+            };
             if joined > m.epoch {
                 continue;
             }
@@ -259,7 +315,11 @@ pub fn check(
                     "message-lost",
                     Some(m.group),
                     vec![*d, m.sender],
-                    format!("message {} of epoch {} never arrived (member since epoch {joined})", hex::encode(m.id), m.epoch),
+                    format!(
+                        "message {} of epoch {} never arrived (member since epoch {joined})",
+                        hex::encode(m.id),
+                        m.epoch
+                    ),
                 ));
             }
         }
@@ -309,7 +369,11 @@ impl PanicCatcher {
     /// This thread's panics since `install`.
     pub fn take(&self) -> Vec<String> {
         let mut log = panic_log().lock().unwrap_or_else(|p| p.into_inner());
-        let mine = log.iter().filter(|(t, _)| *t == self.thread).map(|(_, m)| m.clone()).collect();
+        let mine = log
+            .iter()
+            .filter(|(t, _)| *t == self.thread)
+            .map(|(_, m)| m.clone())
+            .collect();
         log.retain(|(t, _)| *t != self.thread);
         mine
     }

@@ -218,7 +218,11 @@ enum Cmd {
     Invite(GroupId, DeviceId, oneshot::Sender<Result<u64, String>>),
     Remove(GroupId, DeviceId, oneshot::Sender<Result<u64, String>>),
     Rotate(GroupId, oneshot::Sender<Result<u64, String>>),
-    Send(GroupId, Vec<u8>, oneshot::Sender<Result<([u8; 16], u64), String>>),
+    Send(
+        GroupId,
+        Vec<u8>,
+        oneshot::Sender<Result<([u8; 16], u64), String>>,
+    ),
     Bind(GroupId, String, bool, oneshot::Sender<Result<(), String>>),
     State(oneshot::Sender<FinalState>),
 }
@@ -244,16 +248,24 @@ struct World {
 
 impl World {
     fn trace(&self, line: String) {
-        self.trace.lock().unwrap_or_else(|p| p.into_inner()).push(line);
+        self.trace
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(line);
     }
     fn control(&self, c: Control) {
         self.trace(format!("{} control {c:?}", now_ms()));
-        self.control.lock().unwrap_or_else(|p| p.into_inner()).push(c);
+        self.control
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(c);
     }
 }
 
 fn now_ms() -> u64 {
-    turmoil::sim_elapsed().map(|d| d.as_millis() as u64).unwrap_or(0)
+    turmoil::sim_elapsed()
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
 }
 
 fn hub_name(i: usize) -> String {
@@ -333,8 +345,13 @@ pub fn run_seed(cfg: &SimConfig) -> SeedReport {
                 let mut config = HubConfig::new(hub_url(i));
                 config.limits = Limits::unthrottled();
                 let kv: Arc<dyn KvStore> = Arc::new(store);
-                let hub = Hub::start(kv, config, host_clock(), SharedRng::seeded(mix(seed, 1000 + i as u64, n)))
-                    .map_err(|e| e.to_string())?;
+                let hub = Hub::start(
+                    kv,
+                    config,
+                    host_clock(),
+                    SharedRng::seeded(mix(seed, 1000 + i as u64, n)),
+                )
+                .map_err(|e| e.to_string())?;
                 hub.serve(SimListener(listener));
                 std::future::pending::<()>().await;
                 Ok(())
@@ -422,15 +439,33 @@ pub fn run_seed(cfg: &SimConfig) -> SeedReport {
     let events = std::mem::take(&mut *world.events.lock().unwrap_or_else(|p| p.into_inner()));
     let mut violations = Vec::new();
     if let Some(e) = sim_error {
-        violations.push(Violation::new("no-panic", None, vec![], format!("simulation failed: {e}")));
+        violations.push(Violation::new(
+            "no-panic",
+            None,
+            vec![],
+            format!("simulation failed: {e}"),
+        ));
     }
     for p in panics.take() {
         violations.push(Violation::new("no-panic", None, vec![], p));
     }
     let (ops, ops_ok, sent, finals, heads, converge_ms, faults_from_driver) = match driver {
-        Some(d) => (d.ops, d.ops_ok, d.sent, d.finals, d.heads, d.converge_ms, d.faults),
+        Some(d) => (
+            d.ops,
+            d.ops_ok,
+            d.sent,
+            d.finals,
+            d.heads,
+            d.converge_ms,
+            d.faults,
+        ),
         None => {
-            violations.push(Violation::new("no-panic", None, vec![], "the driver did not finish".into()));
+            violations.push(Violation::new(
+                "no-panic",
+                None,
+                vec![],
+                "the driver did not finish".into(),
+            ));
             (0, 0, vec![], vec![], BTreeMap::new(), None, 0)
         }
     };
@@ -447,8 +482,16 @@ pub fn run_seed(cfg: &SimConfig) -> SeedReport {
 
     if let Ok(path) = std::env::var("HUBSYNC_SIM_TRACE") {
         // A readable trace of the run, for chasing a failing seed.
-        let mut out = world.trace.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        out.extend(events.iter().map(|(t, d, e)| format!("{t} dev{d} {}", invariants::event_line(e))));
+        let mut out = world
+            .trace
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        out.extend(
+            events
+                .iter()
+                .map(|(t, d, e)| format!("{t} dev{d} {}", invariants::event_line(e))),
+        );
         let _ = std::fs::write(path, out.join("\n"));
     }
     let mut h = Sha256::new();
@@ -521,11 +564,14 @@ async fn device_host(
     {
         use std::sync::atomic::Ordering::Relaxed;
         let f = device.manager().faults();
-        f.merge_on_mismatch.store(cfg.breaks.merge_on_mismatch, Relaxed);
+        f.merge_on_mismatch
+            .store(cfg.breaks.merge_on_mismatch, Relaxed);
         f.double_emit.store(cfg.breaks.double_emit, Relaxed);
-        f.blackhole_outbox.store(cfg.breaks.blackhole_outbox, Relaxed);
+        f.blackhole_outbox
+            .store(cfg.breaks.blackhole_outbox, Relaxed);
         f.no_pull.store(cfg.breaks.no_pull, Relaxed);
-        f.panic_on_receive.store(cfg.breaks.panic_on_receive, Relaxed);
+        f.panic_on_receive
+            .store(cfg.breaks.panic_on_receive, Relaxed);
     }
     world
         .ids
@@ -643,7 +689,8 @@ async fn drive(cfg: SimConfig, devs: Vec<mpsc::Sender<Cmd>>, world: Arc<World>) 
     let mut rng = ChaCha20Rng::seed_from_u64(mix(cfg.seed, 7, 7));
     // Let every host come up and stock its key packages.
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let ids: BTreeMap<usize, DeviceId> = world.ids.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let ids: BTreeMap<usize, DeviceId> =
+        world.ids.lock().unwrap_or_else(|p| p.into_inner()).clone();
     let mut ops = 0usize;
     let mut ok = 0usize;
     let mut sent = Vec::new();
@@ -661,7 +708,11 @@ async fn drive(cfg: SimConfig, devs: Vec<mpsc::Sender<Cmd>>, world: Arc<World>) 
         hubs.truncate(rng.gen_range(1..=cfg.hubs));
         let r = ask(&devs[creator], OP_LIMIT, |r| Cmd::Create(hubs.clone(), r)).await;
         ops += 1;
-        world.trace(format!("{} create by dev{creator}: {:?}", now_ms(), r.as_ref().map(|x| x.is_ok())));
+        world.trace(format!(
+            "{} create by dev{creator}: {:?}",
+            now_ms(),
+            r.as_ref().map(|x| x.is_ok())
+        ));
         if let Some(Ok(g)) = r {
             ok += 1;
             groups.push((g, BTreeSet::from([creator])));
@@ -688,14 +739,19 @@ async fn drive(cfg: SimConfig, devs: Vec<mpsc::Sender<Cmd>>, world: Arc<World>) 
                 break;
             }
             let who = outsiders[rng.gen_range(0..outsiders.len())];
-            let Some(id) = ids.get(&who).copied() else { continue };
+            let Some(id) = ids.get(&who).copied() else {
+                continue;
+            };
             let r = ask(&devs[by], OP_LIMIT, |r| Cmd::Invite(*g, id, r)).await;
             ops += 1;
             if let Some(Ok(_)) = r {
                 ok += 1;
                 members.insert(who);
             }
-            world.trace(format!("{} setup g{gi} invite dev{who} by dev{by} -> {r:?}", now_ms()));
+            world.trace(format!(
+                "{} setup g{gi} invite dev{who} by dev{by} -> {r:?}",
+                now_ms()
+            ));
         }
     }
 
@@ -763,7 +819,11 @@ async fn drive(cfg: SimConfig, devs: Vec<mpsc::Sender<Cmd>>, world: Arc<World>) 
         // take a command; one crashed mid-command simply never answers).
         let gi = rng.gen_range(0..groups.len());
         let (g, members) = groups[gi].clone();
-        let member: Vec<usize> = members.iter().copied().filter(|m| !crashed_devs.contains(m)).collect();
+        let member: Vec<usize> = members
+            .iter()
+            .copied()
+            .filter(|m| !crashed_devs.contains(m))
+            .collect();
         if member.is_empty() {
             continue;
         }
@@ -813,7 +873,9 @@ async fn drive(cfg: SimConfig, devs: Vec<mpsc::Sender<Cmd>>, world: Arc<World>) 
                 continue;
             }
             let who = outsiders[rng.gen_range(0..outsiders.len())];
-            let Some(id) = ids.get(&who).copied() else { continue };
+            let Some(id) = ids.get(&who).copied() else {
+                continue;
+            };
             let r = ask(&devs[by], OP_LIMIT, |r| Cmd::Invite(g, id, r)).await;
             if let Some(Ok(_)) = r {
                 ok += 1;
@@ -831,7 +893,9 @@ async fn drive(cfg: SimConfig, devs: Vec<mpsc::Sender<Cmd>>, world: Arc<World>) 
                 ops -= 1;
                 continue;
             }
-            let Some(id) = ids.get(&who).copied() else { continue };
+            let Some(id) = ids.get(&who).copied() else {
+                continue;
+            };
             let r = ask(&devs[by], OP_LIMIT, |r| Cmd::Remove(g, id, r)).await;
             if let Some(Ok(_)) = r {
                 ok += 1;
@@ -917,7 +981,14 @@ async fn commit_heads(finals: &[FinalState], seed: u64) -> BTreeMap<GroupId, Opt
     let key = ed25519_dalek::SigningKey::from_bytes(&key);
     let mut heads = BTreeMap::new();
     for (g, hub) in hubs {
-        let head = match hubsync::client::HubClient::connect(&SimConnector, &hub, &key, Default::default()).await {
+        let head = match hubsync::client::HubClient::connect(
+            &SimConnector,
+            &hub,
+            &key,
+            Default::default(),
+        )
+        .await
+        {
             Ok(c) => c
                 .fetch(&hubsync::device::topics::commit_topic(&g.0), 0, 1)
                 .await

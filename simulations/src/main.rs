@@ -7,7 +7,10 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 #[derive(Parser)]
-#[command(name = "hubsync-sim", about = "Deterministic multi-node simulations of hubsync")]
+#[command(
+    name = "hubsync-sim",
+    about = "Deterministic multi-node simulations of hubsync"
+)]
 struct Args {
     /// Run this many seeds, starting at --first.
     #[arg(long, default_value_t = 100)]
@@ -74,7 +77,10 @@ fn main() -> ExitCode {
     let mut reports = Vec::new();
     let mut violations = 0usize;
     for seed in seeds {
-        let cfg = SimConfig { seed, ..base.clone() };
+        let cfg = SimConfig {
+            seed,
+            ..base.clone()
+        };
         let r = run_seed(&cfg);
         if !r.violations.is_empty() {
             violations += r.violations.len();
@@ -92,7 +98,10 @@ fn main() -> ExitCode {
     }
     bar.finish_and_clear();
     if let Err(e) = hubsync_sim::report::write(&args.report, &base, &reports) {
-        eprintln!("error: cannot write the report to {}: {e}", args.report.display());
+        eprintln!(
+            "error: cannot write the report to {}: {e}",
+            args.report.display()
+        );
     }
     println!("sim: {} seeds, {violations} violations", reports.len());
     if violations == 0 {

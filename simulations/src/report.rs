@@ -63,14 +63,27 @@ pub fn svg(reports: &[SeedReport]) -> String {
         h / 2.0,
         h / 2.0
     );
-    let _ = write!(s, r#"<text x="{}" y="{}" text-anchor="end">{max_y:.0}</text>"#, pad - 5.0, pad + 4.0);
-    let _ = write!(s, r#"<text x="{}" y="{}" text-anchor="end">0</text>"#, pad - 5.0, h - pad + 4.0);
+    let _ = write!(
+        s,
+        r#"<text x="{}" y="{}" text-anchor="end">{max_y:.0}</text>"#,
+        pad - 5.0,
+        pad + 4.0
+    );
+    let _ = write!(
+        s,
+        r#"<text x="{}" y="{}" text-anchor="end">0</text>"#,
+        pad - 5.0,
+        h - pad + 4.0
+    );
     for (i, r) in reports.iter().enumerate() {
         let x = pad + (w - 2.0 * pad) * (i as f64 + 0.5) / n;
         match (r.converge_ms, r.violations.is_empty()) {
             (Some(ms), true) => {
                 let y = h - pad - (h - 2.0 * pad) * ms as f64 / max_y;
-                let _ = write!(s, r#"<circle cx="{x:.1}" cy="{y:.1}" r="2" fill="steelblue"/>"#);
+                let _ = write!(
+                    s,
+                    r#"<circle cx="{x:.1}" cy="{y:.1}" r="2" fill="steelblue"/>"#
+                );
             }
             _ => {
                 let y = pad;

@@ -24,17 +24,35 @@ fn invariants_broken(cfg: &SimConfig) -> Vec<&'static str> {
 
 /// Run the simulator binary on one seed and read the trace hash it reports.
 fn trace_hash_of(seed: u64, ops: usize) -> String {
-    let dir = std::env::temp_dir().join(format!("hubsync-sim-det-{}-{seed}-{}", std::process::id(), rand_suffix()));
+    let dir = std::env::temp_dir().join(format!(
+        "hubsync-sim-det-{}-{seed}-{}",
+        std::process::id(),
+        rand_suffix()
+    ));
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_hubsync-sim"))
-        .args(["--seed", &seed.to_string(), "--ops", &ops.to_string(), "--report"])
+        .args([
+            "--seed",
+            &seed.to_string(),
+            "--ops",
+            &ops.to_string(),
+            "--report",
+        ])
         .arg(&dir)
         .output()
         .expect("run hubsync-sim");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
     let json: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(dir.join("summary.json")).expect("report")).expect("json");
+        serde_json::from_slice(&std::fs::read(dir.join("summary.json")).expect("report"))
+            .expect("json");
     let _ = std::fs::remove_dir_all(&dir);
-    json["runs"][0]["trace_hash"].as_str().expect("hash").to_string()
+    json["runs"][0]["trace_hash"]
+        .as_str()
+        .expect("hash")
+        .to_string()
 }
 
 fn rand_suffix() -> u128 {
@@ -56,13 +74,16 @@ fn the_same_seed_replays_the_same_run() {
 
 #[test]
 fn pinned_seeds_with_every_fault_hold_every_invariant() {
-    for seed in [4, 29, 32, 44] {
+    for seed in [4, 29, 32, 44, 145, 162] {
         let r = run_seed(&SimConfig {
             ops: 20,
             ..SimConfig::new(seed)
         });
         assert!(r.violations.is_empty(), "seed {seed}: {:?}", r.violations);
-        assert!(r.messages_sent > 0 && r.commits > 0, "seed {seed} did nothing");
+        assert!(
+            r.messages_sent > 0 && r.commits > 0,
+            "seed {seed} did nothing"
+        );
     }
 }
 
@@ -114,7 +135,10 @@ fn a_device_that_stops_following_commits_is_caught() {
         ..small(1)
     };
     let v = invariants_broken(&cfg);
-    assert!(v.contains(&"convergence") || v.contains(&"accepted-commits"), "{v:?}");
+    assert!(
+        v.contains(&"convergence") || v.contains(&"accepted-commits"),
+        "{v:?}"
+    );
 }
 
 #[test]

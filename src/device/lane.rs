@@ -266,11 +266,17 @@ impl GroupPeerManager {
                         attempts,
                     });
                 }
-                PublishOutcome::HeadMismatch { current } if self.shared.faults.merge_on_mismatch.load(Ordering::Relaxed) => {
+                PublishOutcome::HeadMismatch { current }
+                    if self.shared.faults.merge_on_mismatch.load(Ordering::Relaxed) =>
+                {
                     // Test fault: adopt our commit though another won.
                     self.settle_accepted(&mut guard, &mut rec, &entry, current.unwrap_or(0))?;
                     let epoch = guard.read(|g| g.epoch().as_u64())?;
-                    return Ok(CommitReport { epoch, seq: current.unwrap_or(0), attempts });
+                    return Ok(CommitReport {
+                        epoch,
+                        seq: current.unwrap_or(0),
+                        attempts,
+                    });
                 }
                 PublishOutcome::HeadMismatch { .. } | PublishOutcome::HistoryMissing => {
                     step(state, LaneState::Idle);

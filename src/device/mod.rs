@@ -23,6 +23,8 @@ pub use api::{Device, DeviceOptions};
 pub use error::DeviceError;
 pub use events::Event;
 pub use lane::{CommitReport, LaneState};
-pub use manager::{DeviceStats, FutureFrames, GroupPeer, GroupPeerManager, ManagerConfig, Observer};
+pub use manager::{
+    DeviceStats, FutureFrames, GroupPeer, GroupPeerManager, ManagerConfig, Observer,
+};
 pub use peer::Sent;
 pub use records::GroupId;

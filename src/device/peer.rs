@@ -337,7 +337,13 @@ impl GroupPeerManager {
     /// Read an app topic's whole log through `link` and handle every frame
     /// (with the group's lock held). Best effort: an unreachable hub leaves
     /// it to the peers' own catch-up and to pushes.
-    async fn catch_up_locked(&self, guard: &mut GroupGuard, rec: &GroupRecord, link: &HubLink, topic: &TopicId) {
+    async fn catch_up_locked(
+        &self,
+        guard: &mut GroupGuard,
+        rec: &GroupRecord,
+        link: &HubLink,
+        topic: &TopicId,
+    ) {
         let mut after = 0;
         loop {
             let Ok(f) = link.fetch(topic, after, 200).await else {
@@ -720,18 +726,19 @@ impl GroupPeerManager {
         };
         let group = {
             let p = guard.provider();
-            let staged = match StagedWelcome::new_from_welcome(p, &mls::join_config(), welcome, None) {
-                Ok(s) => s,
-                Err(e) => {
-                    guard.discard();
-                    if held.is_some() {
-                        // Most likely the key package of a Welcome we
-                        // already used: a repeat.
-                        return Ok(false);
+            let staged =
+                match StagedWelcome::new_from_welcome(p, &mls::join_config(), welcome, None) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        guard.discard();
+                        if held.is_some() {
+                            // Most likely the key package of a Welcome we
+                            // already used: a repeat.
+                            return Ok(false);
+                        }
+                        return Err(DeviceError::Mls(e.to_string()));
                     }
-                    return Err(DeviceError::Mls(e.to_string()));
-                }
-            };
+                };
             if held.is_some_and(|ours| staged.group_context().epoch().as_u64() <= ours) {
                 guard.discard();
                 return Ok(false);
