@@ -448,11 +448,7 @@ impl GroupPeerManager {
     /// # Errors
     /// `UnknownGroup` when no record exists.
     pub async fn add_group(&self, group: GroupId) -> Result<(), DeviceError> {
-        let rec = self
-            .shared
-            .records
-            .group(&group)?
-            .ok_or(DeviceError::UnknownGroup(group))?;
+        let rec = self.record(group)?;
         {
             let mut t = lock(&self.shared.topics);
             match t.get(&group) {
@@ -490,11 +486,7 @@ impl GroupPeerManager {
     pub async fn add_binding(&self, group: GroupId, hub: &str) -> Result<(), DeviceError> {
         let hub = hub.trim_end_matches('/').to_string();
         let mut guard = self.shared.registry.lock(group).await;
-        let mut rec = self
-            .shared
-            .records
-            .group(&group)?
-            .ok_or(DeviceError::UnknownGroup(group))?;
+        let mut rec = self.record(group)?;
         if !rec.hubs.contains(&hub) {
             rec.hubs.push(hub.clone());
             let mut b = crate::kv::WriteBatch::new();
@@ -513,11 +505,7 @@ impl GroupPeerManager {
     pub async fn remove_binding(&self, group: GroupId, hub: &str) -> Result<(), DeviceError> {
         let hub = hub.trim_end_matches('/').to_string();
         let mut guard = self.shared.registry.lock(group).await;
-        let mut rec = self
-            .shared
-            .records
-            .group(&group)?
-            .ok_or(DeviceError::UnknownGroup(group))?;
+        let mut rec = self.record(group)?;
         if rec.commit_hub == hub {
             return Err(DeviceError::CommitHubBinding { group, hub });
         }

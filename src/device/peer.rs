@@ -238,11 +238,7 @@ impl GroupPeerManager {
         }
         // Look first without the group's lock: an unreachable commit hub or
         // a log with nothing new must not hold up sends and app frames.
-        let seen = self
-            .shared
-            .records
-            .group(&group)?
-            .ok_or(DeviceError::UnknownGroup(group))?;
+        let seen = self.record(group)?;
         let f = self
             .hub_link(&seen.commit_hub)
             .fetch(&topics::commit_topic(&group.0), seen.commit_cursor, 1)
@@ -252,11 +248,7 @@ impl GroupPeerManager {
             return Ok(f.head);
         }
         let mut guard = self.shared.registry.lock(group).await;
-        let mut rec = self
-            .shared
-            .records
-            .group(&group)?
-            .ok_or(DeviceError::UnknownGroup(group))?;
+        let mut rec = self.record(group)?;
         self.pull_locked(&mut guard, &mut rec).await
     }
 
@@ -854,11 +846,7 @@ impl GroupPeerManager {
     /// outbox delivers once the hub is back.
     pub async fn broadcast(&self, group: GroupId, body: &[u8]) -> Result<Sent, DeviceError> {
         let mut guard = self.shared.registry.lock(group).await;
-        let rec = self
-            .shared
-            .records
-            .group(&group)?
-            .ok_or(DeviceError::UnknownGroup(group))?;
+        let rec = self.record(group)?;
         let id = self.next_message_id();
         let plain = postcard::to_allocvec(&AppMessage {
             id,
