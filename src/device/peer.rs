@@ -503,7 +503,6 @@ impl GroupPeerManager {
         self.shared.records.delete_group(&mut b, &group)?;
         guard.finish(b)?;
         guard.discard();
-        self.shared.registry.forget(&group);
         self.remove_group(group).await;
         self.emit(Event::Removed { group });
         Ok(())

@@ -108,7 +108,10 @@ impl Registry {
         &self.provider
     }
 
-    /// Take `group`'s lock. The handle is loaded on first use.
+    /// Take `group`'s lock. The handle is loaded on first use. Slots are
+    /// never removed, even after the group is left: a waiter may still hold
+    /// the old slot, and a second slot for the same group would be a second
+    /// live copy of it.
     ///
     /// # Cancel safety
     /// Cancel safe: waiting for the lock can be abandoned.
@@ -123,14 +126,6 @@ impl Registry {
             provider: self.provider.clone(),
             op: None,
         }
-    }
-
-    /// Forget a group's slot (after it was deleted).
-    pub fn forget(&self, group: &GroupId) {
-        self.slots
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(group);
     }
 }
 
