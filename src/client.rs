@@ -392,6 +392,15 @@ impl HubClient {
     /// # Errors
     /// As [`HubClient::request`]; `Hub(Conflict)` for a reused publish id.
     pub async fn publish(&self, p: Publish) -> Result<PublishOutcome, ClientError> {
+        // Refuse here what the hub would refuse: a frame over its limit
+        // cannot be tied back to this request, so it would only time out.
+        let len = p.payload.len() as u64;
+        if len > self.inner.max_payload {
+            return Err(ClientError::Hub(HubError::PayloadTooLarge {
+                len,
+                max: self.inner.max_payload,
+            }));
+        }
         match self.request(Request::Publish(p)).await? {
             Response::Published(o) => Ok(o),
             other => Err(unexpected(other)),

@@ -850,3 +850,25 @@ async fn retries_of_accepted_publishes_are_not_rate_limited() {
         );
     }
 }
+
+#[tokio::test]
+async fn an_oversized_publish_is_refused_by_name_not_by_timeout() {
+    let hub = TestHub::start_with(|c| c.limits.max_payload = 1000)
+        .await
+        .unwrap();
+    let c = hub.client(&signing_key(1)).await.unwrap();
+    let started = std::time::Instant::now();
+    assert_eq!(
+        c.publish(log("t", 1, ExpectedHead::Unconditional, &vec![0; 1 << 20]))
+            .await,
+        Err(ClientError::Hub(HubError::PayloadTooLarge {
+            len: 1 << 20,
+            max: 1000
+        }))
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "answered, not timed out"
+    );
+    c.ping().await.unwrap();
+}
