@@ -258,17 +258,23 @@ async fn deliveries_are_routed_by_topic_to_their_receivers() {
     l.stop().await;
 }
 
+/// Device 1 subscribed to `topic` at the hub in an earlier connection (say,
+/// before a restart), and no consumer has asked for it on a link yet.
+async fn subscribed_earlier(hub: &TestHub, topic: &str) {
+    let same_device = hub.client(&signing_key(1)).await.unwrap();
+    same_device
+        .subscribe(&TopicId::from(topic), None)
+        .await
+        .unwrap();
+    same_device.close();
+}
+
 #[tokio::test]
 async fn deliveries_for_an_unrouted_topic_wait_for_its_subscriber() {
     let hub = TestHub::start_with(unthrottled).await.unwrap();
     // The device subscribed at the hub earlier (say, before a restart) but
     // no consumer has asked for the topic on this link yet.
-    let same_device = hub.client(&signing_key(1)).await.unwrap();
-    same_device
-        .subscribe(&TopicId::from("later"), None)
-        .await
-        .unwrap();
-    same_device.close();
+    subscribed_earlier(&hub, "later").await;
 
     let l = link(hub.url(), 1, fast());
     let mut now = l.subscribe(TopicId::from("now"), None);
@@ -676,12 +682,7 @@ async fn deliveries_beyond_the_buffer_come_back_by_a_resync() {
     // the overflow is dropped unacked and fetched again once the topic is
     // subscribed, by a reconnect.
     let hub = TestHub::start_with(unthrottled).await.unwrap();
-    let same_device = hub.client(&signing_key(1)).await.unwrap();
-    same_device
-        .subscribe(&TopicId::from("late"), None)
-        .await
-        .unwrap();
-    same_device.close();
+    subscribed_earlier(&hub, "late").await;
     let l = link(hub.url(), 1, fast());
     let statuses = record(&l);
     let mut marker = l.subscribe(TopicId::from("marker"), None);

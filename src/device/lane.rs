@@ -16,9 +16,8 @@ use super::manager::{hub_error, GroupPeerManager};
 use super::records::{GroupId, JournalEntry};
 use super::registry::OpProvider;
 use super::topics;
-use crate::client::ClientError;
 use crate::kv::WriteBatch;
-use crate::wire::{DeviceId, ExpectedHead, HubError, Publish, PublishOutcome, RetentionClass};
+use crate::wire::{DeviceId, ExpectedHead, Publish, PublishOutcome, RetentionClass};
 use openmls::prelude::tls_codec::{Deserialize as _, Serialize as _};
 use openmls::prelude::*;
 use std::sync::atomic::Ordering;
@@ -241,7 +240,10 @@ impl GroupPeerManager {
                 match link.publish(publish.clone()).await {
                     Ok(o) => break o,
                     Err(e) => {
-                        let transient = !matches!(&e, super::link::LinkError::Client(ClientError::Hub(h)) if !matches!(h, HubError::RateLimited { .. } | HubError::Internal { .. }));
+                        let transient = matches!(
+                            super::manager::send_failure(e.clone()),
+                            super::outbox::SendFailure::Retry { .. }
+                        );
                         if !transient || tokio::time::Instant::now() >= deadline {
                             // The journal stays: the next pull settles it.
                             return Err(hub_error(&rec.commit_hub, e));

@@ -244,8 +244,9 @@ impl OutboxSink for LinkSink {
     }
 }
 
-/// How a link error maps onto the outbox's retry decision.
-fn send_failure(e: LinkError) -> SendFailure {
+/// Whether a link error is worth retrying (the outbox's and the commit
+/// lane's one classification).
+pub(super) fn send_failure(e: LinkError) -> SendFailure {
     match e {
         LinkError::Client(c) => SendFailure::from_client_error(c),
         other => SendFailure::Retry {
