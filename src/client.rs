@@ -6,7 +6,7 @@
 //! [`HubClient::take_pushes`]. The client does not reconnect: the device
 //! side's `HubLink` owns reconnection and builds on this.
 
-use crate::transport::{ws_config, Connector};
+use crate::transport::{handshake_url, ws_config, Connector};
 use crate::wire::{
     auth_message, Auth, ClientFrame, Delivery, DeviceId, FetchResult, HubError, Publish,
     PublishOutcome, Request, Response, ServerFrame, TopicId, MIN_PROTOCOL_VERSION,
@@ -174,8 +174,10 @@ impl HubClient {
                 url: url.clone(),
                 reason: e.to_string(),
             })?;
+        // The handshake names a ws:// form of the URL (the WebSocket client
+        // knows no other scheme); the signature below covers `url` itself.
         let (ws, _) = tokio_tungstenite::client_async_with_config(
-            url.as_str(),
+            handshake_url(&url).as_ref(),
             stream,
             Some(ws_config(options.max_frame)),
         )

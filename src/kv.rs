@@ -132,6 +132,96 @@ pub fn prefix_end(prefix: &[u8]) -> Option<Vec<u8>> {
     None
 }
 
+/// A view of another store confined to the keys under a fixed prefix, so two
+/// users can share one store without seeing each other's keys.
+///
+/// Every key goes in with the prefix prepended and comes out with it
+/// stripped: `get`, `range`, `scan_prefix` and `apply` all work on the
+/// unprefixed keys, and a range (even one with no upper bound) never reaches
+/// past the prefix's last key. `flush` and `flush_blocks` are the inner
+/// store's: a flush makes the whole inner store durable, not just this view.
+/// Each promise of [`KvStore`] holds because the inner store keeps it for the
+/// prefixed batch.
+#[derive(Clone)]
+pub struct PrefixKv {
+    inner: Arc<dyn KvStore>,
+    prefix: Vec<u8>,
+    /// The first key after every key under `prefix`; `None` when there is
+    /// none (the prefix is all `0xff`), so ranges run to the store's end.
+    end: Option<Vec<u8>>,
+}
+
+impl PrefixKv {
+    /// The keys of `inner` that start with `prefix`, seen without it.
+    pub fn new(inner: Arc<dyn KvStore>, prefix: impl Into<Vec<u8>>) -> Self {
+        let prefix = prefix.into();
+        let end = prefix_end(&prefix);
+        Self { inner, prefix, end }
+    }
+
+    /// The prefix every key of this view carries in the inner store.
+    pub fn prefix(&self) -> &[u8] {
+        &self.prefix
+    }
+
+    fn inner_key(&self, key: &[u8]) -> Vec<u8> {
+        let mut k = Vec::with_capacity(self.prefix.len() + key.len());
+        k.extend_from_slice(&self.prefix);
+        k.extend_from_slice(key);
+        k
+    }
+
+    /// Strip the prefix from inner entries, dropping any outside it (a
+    /// correct inner store returns none, as every range asked is inside).
+    fn outer(&self, entries: Entries) -> Entries {
+        entries
+            .into_iter()
+            .filter_map(|(k, v)| Some((k.strip_prefix(self.prefix.as_slice())?.to_vec(), v)))
+            .collect()
+    }
+}
+
+impl KvStore for PrefixKv {
+    fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, KvError> {
+        self.inner.get(&self.inner_key(key))
+    }
+
+    fn range(&self, start: &[u8], end: Option<&[u8]>, limit: usize) -> Result<Entries, KvError> {
+        let start = self.inner_key(start);
+        // Any prefixed `end` is at most `self.end`; no `end` stops there.
+        let end = match end {
+            Some(e) => Some(self.inner_key(e)),
+            None => self.end.clone(),
+        };
+        let entries = self.inner.range(&start, end.as_deref(), limit)?;
+        Ok(self.outer(entries))
+    }
+
+    fn apply(&self, batch: &WriteBatch) -> Result<(), KvError> {
+        let mut prefixed = WriteBatch::new();
+        for (k, v) in batch.ops() {
+            match v {
+                Some(v) => prefixed.put(self.inner_key(k), v),
+                None => prefixed.delete(self.inner_key(k)),
+            }
+        }
+        self.inner.apply(&prefixed)
+    }
+
+    fn flush(&self) -> Result<(), KvError> {
+        self.inner.flush()
+    }
+
+    fn flush_blocks(&self) -> bool {
+        self.inner.flush_blocks()
+    }
+
+    fn scan_prefix(&self, prefix: &[u8], limit: usize) -> Result<Entries, KvError> {
+        let entries = self.inner.scan_prefix(&self.inner_key(prefix), limit)?;
+        Ok(self.outer(entries))
+    }
+}
+
 /// The production store: one sled database in one directory.
 #[derive(Clone)]
 pub struct SledKv {
@@ -326,6 +416,177 @@ mod tests {
         kv.crash();
         assert_eq!(kv.get(b"k1").unwrap(), Some(b"1".to_vec()));
         assert_eq!(kv.get(b"k2").unwrap(), None);
+    }
+
+    /// A store with keys just inside and just outside `prefix` on both sides.
+    fn neighbours(prefix: &[u8]) -> Arc<dyn KvStore> {
+        let kv = MemKv::new();
+        let mut b = WriteBatch::new();
+        let mut before = prefix.to_vec();
+        before.pop();
+        b.put(before, b"before".to_vec());
+        if let Some(end) = prefix_end(prefix) {
+            b.put(end.clone(), b"after".to_vec());
+            let mut after = end;
+            after.push(0);
+            b.put(after, b"after".to_vec());
+        }
+        kv.apply(&b).unwrap();
+        Arc::new(kv)
+    }
+
+    #[test]
+    fn prefix_kv_passes_the_shared_exercise() {
+        for prefix in [&b"p/"[..], b"", &[b'p', 0xff], &[0xff, 0xff]] {
+            exercise(&PrefixKv::new(neighbours(prefix), prefix));
+        }
+    }
+
+    #[test]
+    fn prefix_kv_maps_keys_in_and_out() {
+        let inner: Arc<dyn KvStore> = Arc::new(MemKv::new());
+        let view = PrefixKv::new(inner.clone(), b"p/".to_vec());
+        let mut b = WriteBatch::new();
+        b.put(b"k".to_vec(), b"1".to_vec());
+        b.put(b"gone".to_vec(), b"2".to_vec());
+        b.delete(b"gone".to_vec());
+        view.apply(&b).unwrap();
+        assert_eq!(inner.get(b"p/k").unwrap(), Some(b"1".to_vec()));
+        assert_eq!(inner.get(b"k").unwrap(), None);
+        assert_eq!(inner.get(b"p/gone").unwrap(), None);
+        assert_eq!(view.get(b"k").unwrap(), Some(b"1".to_vec()));
+        assert_eq!(
+            view.range(b"", None, 10).unwrap(),
+            vec![(b"k".to_vec(), b"1".to_vec())]
+        );
+        assert_eq!(view.prefix(), b"p/");
+    }
+
+    #[test]
+    fn prefix_kv_ranges_stop_at_the_prefix_upper_edge() {
+        // "p/" ends at "p0": keys "p0" and "p0\0" lie just past the view.
+        let prefix = b"p/";
+        let inner = neighbours(prefix);
+        let view = PrefixKv::new(inner.clone(), prefix.to_vec());
+        let mut b = WriteBatch::new();
+        b.put(vec![0xff], b"last".to_vec());
+        b.put(vec![0xff, 0xff], b"very last".to_vec());
+        b.put(b"a".to_vec(), b"first".to_vec());
+        view.apply(&b).unwrap();
+        let all = view.range(b"", None, 100).unwrap();
+        let keys: Vec<_> = all.iter().map(|(k, _)| k.clone()).collect();
+        assert_eq!(keys, vec![b"a".to_vec(), vec![0xff], vec![0xff, 0xff]]);
+        // A range starting at the view's last key, unbounded or bounded
+        // beyond it, still sees only keys of the view.
+        assert_eq!(view.range(&[0xff], None, 100).unwrap().len(), 2);
+        assert_eq!(view.range(&[0xff, 0xff], None, 100).unwrap().len(), 1);
+        assert_eq!(
+            view.range(&[0xff], Some(&[0xff, 0xff, 0xff]), 100)
+                .unwrap()
+                .len(),
+            2
+        );
+        assert_eq!(view.scan_prefix(&[0xff], 100).unwrap().len(), 2);
+        assert_eq!(view.scan_prefix(&[0xff, 0xff], 100).unwrap().len(), 1);
+        // The neighbours are still there in the inner store.
+        assert_eq!(inner.get(b"p0").unwrap(), Some(b"after".to_vec()));
+        assert_eq!(inner.get(b"p").unwrap(), Some(b"before".to_vec()));
+    }
+
+    /// The bounds of one range read.
+    type Bounds = (Vec<u8>, Option<Vec<u8>>);
+
+    /// A store that records the bounds of every range asked of it.
+    struct Spy {
+        inner: MemKv,
+        asked: Mutex<Vec<Bounds>>,
+    }
+
+    impl KvStore for Spy {
+        fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, KvError> {
+            self.inner.get(key)
+        }
+        fn range(
+            &self,
+            start: &[u8],
+            end: Option<&[u8]>,
+            limit: usize,
+        ) -> Result<Entries, KvError> {
+            let mut asked = self.asked.lock().unwrap();
+            asked.push((start.to_vec(), end.map(<[u8]>::to_vec)));
+            self.inner.range(start, end, limit)
+        }
+        fn apply(&self, batch: &WriteBatch) -> Result<(), KvError> {
+            self.inner.apply(batch)
+        }
+        fn flush(&self) -> Result<(), KvError> {
+            self.inner.flush()
+        }
+    }
+
+    #[test]
+    fn prefix_kv_never_asks_the_inner_store_past_its_prefix() {
+        let spy = Arc::new(Spy {
+            inner: MemKv::new(),
+            asked: Mutex::new(Vec::new()),
+        });
+        let view = PrefixKv::new(spy.clone(), b"p/".to_vec());
+        view.range(b"", None, 10).unwrap();
+        view.range(b"a", Some(b"b"), 10).unwrap();
+        view.scan_prefix(&[0xff], 10).unwrap();
+        let asked = spy.asked.lock().unwrap().clone();
+        assert_eq!(
+            asked,
+            vec![
+                (b"p/".to_vec(), Some(b"p0".to_vec())),
+                (b"p/a".to_vec(), Some(b"p/b".to_vec())),
+                (vec![b'p', b'/', 0xff], Some(b"p0".to_vec())),
+            ]
+        );
+    }
+
+    #[test]
+    fn prefix_kv_with_an_all_ff_prefix_runs_to_the_store_end() {
+        let inner: Arc<dyn KvStore> = Arc::new(MemKv::new());
+        let mut b = WriteBatch::new();
+        b.put(vec![0xfe, 0xff], b"outside".to_vec());
+        inner.apply(&b).unwrap();
+        let view = PrefixKv::new(inner, vec![0xff]);
+        let mut b = WriteBatch::new();
+        b.put(vec![0xff], b"in".to_vec());
+        view.apply(&b).unwrap();
+        assert_eq!(
+            view.range(b"", None, 10).unwrap(),
+            vec![(vec![0xff], b"in".to_vec())]
+        );
+    }
+
+    #[test]
+    fn prefix_kv_flush_makes_the_inner_store_durable() {
+        let mem = MemKv::new();
+        let view = PrefixKv::new(Arc::new(mem.clone()), b"p/".to_vec());
+        let mut b = WriteBatch::new();
+        b.put(b"k".to_vec(), b"1".to_vec());
+        view.apply(&b).unwrap();
+        assert_eq!(mem.unflushed_batches(), 1);
+        assert!(!view.flush_blocks());
+        view.flush().unwrap();
+        mem.crash();
+        assert_eq!(view.get(b"k").unwrap(), Some(b"1".to_vec()));
+    }
+
+    #[test]
+    fn prefix_kv_over_sled_sees_only_its_keys() {
+        let dir = tempfile::tempdir().unwrap();
+        let sled: Arc<dyn KvStore> = Arc::new(SledKv::open(dir.path()).unwrap());
+        let mut b = WriteBatch::new();
+        b.put(b"p0".to_vec(), b"outside".to_vec());
+        b.put(b"o".to_vec(), b"outside".to_vec());
+        sled.apply(&b).unwrap();
+        let view = PrefixKv::new(sled, b"p/".to_vec());
+        assert!(view.flush_blocks());
+        exercise(&view);
+        assert_eq!(view.range(b"", None, 100).unwrap().len(), 2);
     }
 
     #[test]

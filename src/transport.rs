@@ -2,11 +2,17 @@
 //!
 //! Devices reach hubs through a [`Connector`] and hubs accept through a
 //! [`Listener`], both yielding any `AsyncRead + AsyncWrite` stream. Production
-//! uses TCP; the simulation hands the same WebSocket code simulated TCP.
+//! uses TCP; the simulation hands the same WebSocket code simulated TCP; an
+//! in-process hub (a device's loopback hub) is reached through
+//! [`memory_transport`], with no socket at all.
 
 use futures::future::BoxFuture;
+use std::borrow::Cow;
 use std::io;
-use tokio::io::{AsyncRead, AsyncWrite};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use tokio::io::{AsyncRead, AsyncWrite, DuplexStream};
+use tokio::sync::mpsc;
 
 /// A byte stream the WebSocket layer can run over.
 pub trait ByteStream: AsyncRead + AsyncWrite + Send + Unpin + 'static {}
@@ -59,6 +65,29 @@ pub fn host_port(url: &str) -> io::Result<String> {
         Ok(authority.to_string())
     } else {
         Ok(format!("{authority}:80"))
+    }
+}
+
+/// The scheme of an in-process hub's URL (`loopback://<device hex>`).
+///
+/// Such a URL names no host: it is only ever reached through an in-memory
+/// transport, never dialled. [`host_port`] refuses it, so a loopback URL
+/// handed to [`TcpConnector`] fails with `InvalidInput` instead of leaving
+/// the process.
+pub const LOOPBACK_SCHEME: &str = "loopback://";
+
+/// The URL the WebSocket handshake request names when connecting to hub
+/// `url`.
+///
+/// A `ws://` or `wss://` URL is used as it is. The WebSocket client accepts
+/// only those schemes, so a `loopback://X` URL is handshaken as
+/// `ws://loopback.invalid/X` (`.invalid` is reserved and never resolves).
+/// Only the handshake sees this form: authentication still signs, and the
+/// hub still checks, the `loopback://` URL itself.
+pub(crate) fn handshake_url(url: &str) -> Cow<'_, str> {
+    match url.strip_prefix(LOOPBACK_SCHEME) {
+        Some(rest) => Cow::Owned(format!("ws://loopback.invalid/{rest}")),
+        None => Cow::Borrowed(url),
     }
 }
 
@@ -123,9 +152,174 @@ impl Listener for TcpAcceptor {
     }
 }
 
+/// Bytes buffered in each direction of one in-memory connection; a writer
+/// that gets this far ahead of its reader waits, as on a full socket.
+pub const MEMORY_STREAM_BUFFER: usize = 256 * 1024;
+
+/// Connections made but not yet accepted; a further `connect` waits for the
+/// listener to accept one (a listen backlog).
+const MEMORY_BACKLOG: usize = 64;
+
+/// Make an in-memory transport: every [`MemoryConnector::connect`] yields
+/// one end of a fresh [`tokio::io::duplex`] pair (each direction buffering
+/// [`MEMORY_STREAM_BUFFER`] bytes) and hands the other end to
+/// [`MemoryListener::accept`].
+///
+/// The connector ignores the URL it is given: it reaches its one listener.
+/// Route URLs to it with a connector that looks at them.
+pub fn memory_transport() -> (MemoryConnector, MemoryListener) {
+    let (tx, rx) = mpsc::channel(MEMORY_BACKLOG);
+    (
+        MemoryConnector {
+            tx,
+            next: Arc::new(AtomicU64::new(1)),
+        },
+        MemoryListener { rx },
+    )
+}
+
+/// The dialling side of a [`memory_transport`]. Clones reach the same
+/// listener.
+#[derive(Clone, Debug)]
+pub struct MemoryConnector {
+    tx: mpsc::Sender<(DuplexStream, u64)>,
+    next: Arc<AtomicU64>,
+}
+
+impl MemoryConnector {
+    /// Whether the listener is gone, so every connect is refused.
+    pub fn is_closed(&self) -> bool {
+        self.tx.is_closed()
+    }
+}
+
+impl Connector for MemoryConnector {
+    /// Open a connection to this transport's listener; `url` is not looked at.
+    ///
+    /// Waits while 64 connections (the backlog) are queued and not yet
+    /// accepted. A connection queued when the listener is dropped is closed
+    /// (the dialler reads end of stream).
+    ///
+    /// # Errors
+    /// `ConnectionRefused` once the [`MemoryListener`] is dropped, also while
+    /// waiting for room in the backlog.
+    fn connect(&self, _url: &str) -> BoxFuture<'static, io::Result<BoxStream>> {
+        let tx = self.tx.clone();
+        let n = self.next.fetch_add(1, Ordering::Relaxed);
+        Box::pin(async move {
+            let (ours, theirs) = tokio::io::duplex(MEMORY_STREAM_BUFFER);
+            tx.send((theirs, n)).await.map_err(|_| {
+                io::Error::new(
+                    io::ErrorKind::ConnectionRefused,
+                    "the in-memory listener is gone",
+                )
+            })?;
+            Ok(Box::new(ours) as BoxStream)
+        })
+    }
+}
+
+/// The accepting side of a [`memory_transport`]. Dropping it refuses every
+/// later connect.
+#[derive(Debug)]
+pub struct MemoryListener {
+    rx: mpsc::Receiver<(DuplexStream, u64)>,
+}
+
+impl Listener for MemoryListener {
+    /// The next connection, with the peer address `memory:<n>` (`n` counts
+    /// connects from 1).
+    ///
+    /// Once every [`MemoryConnector`] is dropped no connection can come:
+    /// `accept` then stays pending forever rather than failing, as a socket
+    /// nobody dials would.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: a connection is taken from the queue only when returned.
+    fn accept(&mut self) -> BoxFuture<'_, io::Result<(BoxStream, String)>> {
+        Box::pin(async move {
+            match self.rx.recv().await {
+                Some((stream, n)) => Ok((Box::new(stream) as BoxStream, format!("memory:{n}"))),
+                None => std::future::pending().await,
+            }
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    #[tokio::test]
+    async fn memory_transport_carries_bytes_both_ways() {
+        let (connector, mut listener) = memory_transport();
+        let mut client = connector.clone().connect("anything").await.unwrap();
+        let (mut server, peer) = listener.accept().await.unwrap();
+        assert_eq!(peer, "memory:1");
+        client.write_all(b"ping").await.unwrap();
+        let mut buf = [0u8; 4];
+        server.read_exact(&mut buf).await.unwrap();
+        assert_eq!(&buf, b"ping");
+        server.write_all(b"pong").await.unwrap();
+        client.read_exact(&mut buf).await.unwrap();
+        assert_eq!(&buf, b"pong");
+        let _second = connector.connect("x").await.unwrap();
+        assert_eq!(listener.accept().await.unwrap().1, "memory:2");
+    }
+
+    #[tokio::test]
+    async fn memory_connect_after_listener_dropped_is_refused() {
+        let (connector, listener) = memory_transport();
+        drop(listener);
+        assert!(connector.is_closed());
+        let err = match connector.connect("x").await {
+            Ok(_) => panic!("connect to a dropped listener must fail"),
+            Err(e) => e,
+        };
+        assert_eq!(err.kind(), io::ErrorKind::ConnectionRefused);
+    }
+
+    #[tokio::test]
+    async fn memory_connect_waiting_on_a_full_backlog_is_refused_when_listener_drops() {
+        let (connector, listener) = memory_transport();
+        let mut queued = Vec::new();
+        for _ in 0..MEMORY_BACKLOG {
+            queued.push(connector.connect("x").await.unwrap());
+        }
+        let waiting = tokio::spawn(connector.connect("x"));
+        tokio::task::yield_now().await;
+        assert!(!waiting.is_finished(), "a full backlog makes connect wait");
+        drop(listener);
+        let err = match waiting.await.unwrap() {
+            Ok(_) => panic!("the waiting connect must be refused"),
+            Err(e) => e,
+        };
+        assert_eq!(err.kind(), io::ErrorKind::ConnectionRefused);
+        // A connection that was queued but never accepted reads end of stream.
+        let mut buf = [0u8; 1];
+        assert_eq!(queued[0].read(&mut buf).await.unwrap(), 0);
+    }
+
+    #[tokio::test]
+    async fn memory_accept_waits_when_every_connector_is_gone() {
+        let (connector, mut listener) = memory_transport();
+        drop(connector);
+        let waited =
+            tokio::time::timeout(std::time::Duration::from_millis(20), listener.accept()).await;
+        assert!(waited.is_err(), "accept must pend, not fail or spin");
+    }
+
+    #[test]
+    fn handshake_url_rewrites_only_loopback_urls() {
+        assert_eq!(handshake_url("ws://127.0.0.1:7400"), "ws://127.0.0.1:7400");
+        assert_eq!(handshake_url("wss://hub.example/x"), "wss://hub.example/x");
+        assert_eq!(
+            handshake_url("loopback://ab12"),
+            "ws://loopback.invalid/ab12"
+        );
+        assert!(host_port("loopback://ab12").is_err());
+    }
 
     #[test]
     fn host_port_parses_ws_urls() {

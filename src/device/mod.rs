@@ -9,6 +9,7 @@ pub mod frames;
 pub mod identity;
 mod lane;
 pub mod link;
+pub mod loopback;
 pub mod manager;
 pub mod mls;
 pub mod outbox;

@@ -35,8 +35,8 @@ use tokio_util::task::TaskTracker;
 /// How a hub runs.
 #[derive(Clone, Debug)]
 pub struct HubConfig {
-    /// The URL devices dial and sign (`ws://host:port`), without a trailing
-    /// slash. A device that signed another URL is refused with `WrongHub`.
+    /// The URL devices dial and sign (`ws://host:port`, or `loopback://…`
+    /// for a device's in-process hub), without a trailing slash. A device that signed another URL is refused with `WrongHub`.
     pub url: String,
     /// Limits, each answering a named error.
     pub limits: Limits,
@@ -68,8 +68,9 @@ pub enum HubStartError {
     /// A limit makes no sense.
     #[error("invalid hub limits: {0}")]
     Limits(String),
-    /// The URL is not `ws://` or `wss://`.
-    #[error("hub URL must start with ws:// or wss://, got {0}")]
+    /// The URL is not `ws://`, `wss://` or (for an in-process hub)
+    /// `loopback://`.
+    #[error("hub URL must start with ws://, wss:// or loopback://, got {0}")]
     Url(String),
 }
 
@@ -166,7 +167,10 @@ impl Hub {
         rng: SharedRng,
     ) -> Result<Hub, HubStartError> {
         config.limits.validate().map_err(HubStartError::Limits)?;
-        if !(config.url.starts_with("ws://") || config.url.starts_with("wss://")) {
+        let scheme_ok = ["ws://", "wss://", crate::transport::LOOPBACK_SCHEME]
+            .iter()
+            .any(|s| config.url.starts_with(s));
+        if !scheme_ok {
             return Err(HubStartError::Url(config.url.clone()));
         }
         let core = HubCore::new(store.clone(), config.limits.clone(), clock.clone());
