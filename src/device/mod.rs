@@ -8,6 +8,7 @@ pub mod events;
 pub mod frames;
 pub mod identity;
 mod lane;
+pub mod ledger;
 pub mod link;
 pub mod loopback;
 pub mod manager;
