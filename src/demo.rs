@@ -122,10 +122,10 @@ pub async fn run() -> Result<(), String> {
         loop {
             match nodes[0].device.invite(g, *id).await {
                 Ok(r) => {
-                    println!("ada invited {} (epoch {})", nodes[i].name, r.epoch);
+                    println!("ada invited {} (epoch {})", nodes[i].name, r.outcome.epoch);
                     break;
                 }
-                Err(hubsync::device::DeviceError::NoKeyPackage(_)) if started.elapsed() < WAIT => {
+                Err(hubsync::device::CommitError::NoKeyPackage(_)) if started.elapsed() < WAIT => {
                     tokio::time::sleep(Duration::from_millis(50)).await;
                 }
                 Err(e) => return Err(format!("invite failed: {e}")),
@@ -158,7 +158,7 @@ pub async fn run() -> Result<(), String> {
         let r = r.map_err(|e| e.to_string())?;
         println!(
             "  a commit landed at epoch {} after {} build(s)",
-            r.epoch, r.attempts
+            r.outcome.epoch, r.outcome.attempts
         );
     }
     let epoch = converge(&nodes, g).await?;

@@ -106,7 +106,7 @@ async fn invite_with_retry(by: &TestDevice, g: GroupId, who: DeviceId) {
     loop {
         match by.invite(g, who).await {
             Ok(_) => return,
-            Err(hubsync::device::DeviceError::NoKeyPackage(_))
+            Err(hubsync::device::CommitError::NoKeyPackage(_))
                 if tokio::time::Instant::now() < deadline =>
             {
                 tokio::time::sleep(Duration::from_millis(100)).await;
@@ -207,7 +207,12 @@ async fn concurrent_commits_converge_on_one_epoch() {
         "each of the four commits landed in its own epoch"
     );
     let lost: u64 = devs.iter().map(|d| d.stats().lost_races).sum();
-    assert!(lost > 0 || results.iter().all(|r| r.as_ref().unwrap().attempts == 1));
+    assert!(
+        lost > 0
+            || results
+                .iter()
+                .all(|r| r.as_ref().unwrap().outcome.attempts == 1)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -378,7 +383,9 @@ async fn forwarding_carries_messages_across_a_partition() {
     let c = TestDevice::open_with(oc).await.unwrap();
     let (mut ia, mut ib, mut ic) = (Inbox::new(&a), Inbox::new(&b), Inbox::new(&c));
     let g = group_of(&a, &mut [(&b, &mut ib)], &u).await;
-    // Only b reaches c's hub to claim its key package.
+    // Only b reaches c's hub to claim its key package: b must be an admin.
+    a.grant_admin(g, b.id()).await.unwrap();
+    converge(&[&a, &b], g).await;
     invite_with_retry(&b, g, c.id()).await;
     ic.until("c to join", |i| i.joined(g)).await;
     converge(&[&a, &b, &c], g).await;

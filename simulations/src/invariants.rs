@@ -157,6 +157,17 @@ pub fn event_line(e: &Event) -> String {
             format!("conflict {} {}", &group.to_string()[..8], hex::encode(id))
         }
         Event::Stranded { group } => format!("stranded {}", &group.to_string()[..8]),
+        Event::FrameSkipped {
+            group, seq, reason, ..
+        } => format!("skipped {} {seq} {reason}", &group.to_string()[..8]),
+        Event::HubRewound { url } => format!("rewound {url}"),
+        Event::LedgerChanged { group } => format!("ledger {}", &group.to_string()[..8]),
+        Event::CommitLost { group, kind, .. } => {
+            format!("lost {} {kind:?}", &group.to_string()[..8])
+        }
+        Event::CommitFailed { group, kind, .. } => {
+            format!("failed {} {kind:?}", &group.to_string()[..8])
+        }
         Event::HubStatus { url, .. } => format!("hub {url}"),
     }
 }

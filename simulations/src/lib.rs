@@ -601,29 +601,30 @@ async fn device_host(
 
 async fn serve(d: Arc<Device>, cmd: Cmd) {
     let s = |e: hubsync::device::DeviceError| e.to_string();
+    let c = |e: hubsync::device::CommitError| e.to_string();
     match cmd {
         Cmd::Create(hubs, r) => {
             let _ = r.send(d.create_group(&hubs).await.map_err(s));
         }
         Cmd::Invite(g, who, r) => {
-            let _ = r.send(d.invite(g, who).await.map(|c| c.epoch).map_err(s));
+            let _ = r.send(d.invite(g, who).await.map(|r| r.outcome.epoch).map_err(c));
         }
         Cmd::Remove(g, who, r) => {
-            let _ = r.send(d.remove(g, who).await.map(|c| c.epoch).map_err(s));
+            let _ = r.send(d.remove(g, who).await.map(|r| r.outcome.epoch).map_err(c));
         }
         Cmd::Rotate(g, r) => {
-            let _ = r.send(d.rotate_keys(g).await.map(|c| c.epoch).map_err(s));
+            let _ = r.send(d.rotate_keys(g).await.map(|r| r.outcome.epoch).map_err(c));
         }
         Cmd::Send(g, body, r) => {
             let _ = r.send(d.send(g, &body).await.map(|m| (m.id, m.epoch)).map_err(s));
         }
         Cmd::Bind(g, hub, on, r) => {
             let res = if on {
-                d.manager().add_binding(g, &hub).await
+                d.bind_hub(g, &hub).await
             } else {
-                d.manager().remove_binding(g, &hub).await
+                d.unbind_hub(g, &hub).await
             };
-            let _ = r.send(res.map_err(s));
+            let _ = r.send(res.map(|_| ()).map_err(c));
         }
         Cmd::State(r) => {
             let _ = r.send(final_state(&d).await);
@@ -647,7 +648,7 @@ async fn final_state(d: &Device) -> FinalState {
             epoch,
             authenticator: auth,
             members,
-            commit_cursor: rec.commit_cursor,
+            commit_cursor: rec.cursor(),
             commit_hub: rec.commit_hub,
             stranded: rec.stranded,
         });

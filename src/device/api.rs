@@ -10,11 +10,14 @@
 //! # Ok(()) }
 //! ```
 
+use super::control::Settings;
 use super::directory::HubDirectory;
 use super::error::DeviceError;
 use super::events::Event;
 use super::identity::DeviceIdentity;
-use super::lane::CommitReport;
+use super::lane::{CommitError, LaneResult};
+use super::ledger::{Entry, LedgerState};
+use super::loopback::{LoopbackHub, RoutingConnector};
 use super::manager::{DeviceStats, GroupPeerManager, ManagerConfig};
 use super::outbox::{Outbox, OutboxConfig};
 use super::provider::DeviceProvider;
@@ -72,6 +75,7 @@ impl DeviceOptions {
 pub struct Device {
     id: DeviceId,
     manager: GroupPeerManager,
+    loopback: LoopbackHub,
 }
 
 impl Drop for Device {
@@ -122,18 +126,33 @@ impl Device {
             HubDirectory::open(kv.clone(), options.clock.clone(), options.directory_ttl)
                 .map_err(|e| DeviceError::Store(e.to_string()))?;
         let id = identity.id();
+        // The in-process hub a group with no hub bound commits through, on
+        // this device's own store.
+        let loopback = LoopbackHub::start(kv.clone(), id, options.clock.clone(), rng.fork())
+            .await
+            .map_err(|e| DeviceError::Store(e.to_string()))?;
+        let connector: Arc<dyn Connector> = Arc::new(RoutingConnector::new(
+            options.connector.clone(),
+            loopback.url(),
+            loopback.connector(),
+        ));
         let manager = GroupPeerManager::new(
             identity,
             Registry::new(provider),
             Records::new(kv),
             outbox,
             directory,
-            options.connector.clone(),
+            connector,
             options.manager.clone(),
             rng,
+            options.clock.clone(),
         );
         manager.start(&options.hubs).await?;
-        Ok(Device { id, manager })
+        Ok(Device {
+            id,
+            manager,
+            loopback,
+        })
     }
 
     /// This device's id (its ed25519 public key).
@@ -141,15 +160,18 @@ impl Device {
         self.id
     }
 
-    /// Create a group bound to `hubs` (the first is its commit hub).
+    /// Create a group bound to `hubs` (the first is its commit hub), with
+    /// this device its first member and admin. With no hub, the group
+    /// commits through this device's loopback hub until one is bound.
     ///
     /// # Errors
-    /// `NoHubs`, MLS or store errors.
+    /// MLS or store errors.
     pub async fn create_group(&self, hubs: &[String]) -> Result<GroupId, DeviceError> {
         self.manager.create_group(hubs).await
     }
 
-    /// Invite a device into a group; it joins once it hears the Welcome.
+    /// Invite a device into a group (admins only); it joins once it hears
+    /// the Welcome.
     ///
     /// # Errors
     /// See [`GroupPeerManager::invite`].
@@ -157,11 +179,11 @@ impl Device {
         &self,
         group: GroupId,
         device: DeviceId,
-    ) -> Result<CommitReport, DeviceError> {
+    ) -> Result<LaneResult, CommitError> {
         self.manager.invite(group, device).await
     }
 
-    /// Remove a device from a group.
+    /// Remove a device from a group (admins only).
     ///
     /// # Errors
     /// See [`GroupPeerManager::remove`].
@@ -169,8 +191,100 @@ impl Device {
         &self,
         group: GroupId,
         device: DeviceId,
-    ) -> Result<CommitReport, DeviceError> {
+    ) -> Result<LaneResult, CommitError> {
         self.manager.remove(group, device).await
+    }
+
+    /// Make a member an admin (admins only).
+    ///
+    /// # Errors
+    /// See [`GroupPeerManager::grant_admin`].
+    pub async fn grant_admin(
+        &self,
+        group: GroupId,
+        device: DeviceId,
+    ) -> Result<LaneResult, CommitError> {
+        self.manager.grant_admin(group, device).await
+    }
+
+    /// Take admin rights from a member, never from the last admin (admins
+    /// only).
+    ///
+    /// # Errors
+    /// See [`GroupPeerManager::revoke_admin`].
+    pub async fn revoke_admin(
+        &self,
+        group: GroupId,
+        device: DeviceId,
+    ) -> Result<LaneResult, CommitError> {
+        self.manager.revoke_admin(group, device).await
+    }
+
+    /// Bind the group to another hub, for every member (admins only).
+    ///
+    /// # Errors
+    /// See [`GroupPeerManager::bind_hub`].
+    pub async fn bind_hub(&self, group: GroupId, url: &str) -> Result<LaneResult, CommitError> {
+        self.manager.bind_hub(group, url).await
+    }
+
+    /// Unbind the group from a hub that is not its commit hub, for every
+    /// member (admins only).
+    ///
+    /// # Errors
+    /// See [`GroupPeerManager::unbind_hub`].
+    pub async fn unbind_hub(&self, group: GroupId, url: &str) -> Result<LaneResult, CommitError> {
+        self.manager.unbind_hub(group, url).await
+    }
+
+    /// Move every member's commits to a bound hub (admins only).
+    ///
+    /// # Errors
+    /// See [`GroupPeerManager::set_commit_hub`].
+    pub async fn set_commit_hub(
+        &self,
+        group: GroupId,
+        url: &str,
+    ) -> Result<LaneResult, CommitError> {
+        self.manager.set_commit_hub(group, url).await
+    }
+
+    /// Set a setting: `self.`-prefixed names are this device's own (any
+    /// member), other names are group-wide (admins only).
+    ///
+    /// # Errors
+    /// See [`GroupPeerManager::set_setting`].
+    pub async fn set_setting(
+        &self,
+        group: GroupId,
+        name: &str,
+        value: &[u8],
+    ) -> Result<LaneResult, CommitError> {
+        self.manager.set_setting(group, name, value).await
+    }
+
+    /// The group's settings.
+    ///
+    /// # Errors
+    /// `UnknownGroup`, or the store's.
+    pub fn settings(&self, group: GroupId) -> Result<Settings, CommitError> {
+        self.manager.settings(group)
+    }
+
+    /// The group's ledger, in enactment order.
+    ///
+    /// # Errors
+    /// `UnknownGroup`, or the store's.
+    pub fn ledger(&self, group: GroupId) -> Result<Vec<Entry>, CommitError> {
+        self.manager.ledger(group)
+    }
+
+    /// The group's ledger folded: admins, members, hubs, commit hub.
+    ///
+    /// # Errors
+    /// `UnknownGroup`, or the store's.
+    pub fn ledger_view(&self, group: GroupId) -> Result<LedgerState, CommitError> {
+        self.manager.ledger_view(group)
     }
 
     /// Send `body` to every member of the group; answers the message id and
@@ -187,7 +301,7 @@ impl Device {
     ///
     /// # Errors
     /// See [`GroupPeerManager::rotate`].
-    pub async fn rotate_keys(&self, group: GroupId) -> Result<CommitReport, DeviceError> {
+    pub async fn rotate_keys(&self, group: GroupId) -> Result<LaneResult, CommitError> {
         self.manager.rotate(group).await
     }
 
@@ -250,5 +364,6 @@ impl Device {
     /// resumes it.
     pub async fn close(&self) {
         self.manager.stop().await;
+        self.loopback.stop().await;
     }
 }

@@ -1,9 +1,9 @@
 //! The device side's errors.
 
+use super::lane::CommitError;
 use super::records::GroupId;
 use super::registry::RegistryError;
 use crate::kv::KvError;
-use crate::wire::DeviceId;
 
 /// What went wrong in a device operation. Each variant says what to do.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -11,33 +11,6 @@ pub enum DeviceError {
     /// The device is not in that group (never joined, or removed).
     #[error("not a member of group {0}")]
     UnknownGroup(GroupId),
-    /// The device to remove is not in the group.
-    #[error("{device} is not a member of group {group}")]
-    NotAMember {
-        /// The group.
-        group: GroupId,
-        /// The device.
-        device: DeviceId,
-    },
-    /// The device to invite is already in the group.
-    #[error("{device} is already a member of group {group}")]
-    AlreadyMember {
-        /// The group.
-        group: GroupId,
-        /// The device.
-        device: DeviceId,
-    },
-    /// Every commit goes through the commit hub: it cannot be unbound.
-    #[error("{hub} is the commit hub of group {group}; it cannot be unbound")]
-    CommitHubBinding {
-        /// The group.
-        group: GroupId,
-        /// The hub.
-        hub: String,
-    },
-    /// A group needs at least one hub.
-    #[error("a group needs at least one hub")]
-    NoHubs,
     /// A hub could not be reached or refused the request.
     #[error("hub {url}: {reason}")]
     Hub {
@@ -46,16 +19,9 @@ pub enum DeviceError {
         /// What happened.
         reason: String,
     },
-    /// No key package could be claimed for the invitee on any of the
-    /// group's hubs: it must connect to one of them first.
-    #[error("no key package for {0} on the group's hubs")]
-    NoKeyPackage(DeviceId),
-    /// The group moved on without this device: recover before committing.
-    #[error("group {0} needs recovery before this device can commit")]
-    RecoveryRequired(GroupId),
-    /// The commit did not land before the deadline.
-    #[error("commit in group {0} did not land before the deadline")]
-    CommitTimedOut(GroupId),
+    /// A commit (invite, remove, rotation, ledger entries) did not land.
+    #[error(transparent)]
+    Commit(#[from] CommitError),
     /// MLS refused the operation.
     #[error("MLS: {0}")]
     Mls(String),

@@ -1,5 +1,6 @@
 //! What a device tells its app.
 
+use super::lane::{CommitError, CommitKind, SkipReason};
 use super::records::GroupId;
 use crate::wire::DeviceId;
 
@@ -62,6 +63,52 @@ pub enum Event {
     Stranded {
         /// The group.
         group: GroupId,
+    },
+    /// A commit-topic frame was skipped without being applied, and why.
+    FrameSkipped {
+        /// The group.
+        group: GroupId,
+        /// The hub it was read from.
+        hub: String,
+        /// Its position there.
+        seq: u64,
+        /// Why.
+        reason: SkipReason,
+    },
+    /// A hub holds less than this device already read from it (it lost or
+    /// restored its store): its logs are read again from the start and it
+    /// is never compared-and-set against a head below what we read.
+    HubRewound {
+        /// The hub.
+        url: String,
+    },
+    /// The group's ledger grew (admins, hubs, commit hub or settings may
+    /// have changed).
+    LedgerChanged {
+        /// The group.
+        group: GroupId,
+    },
+    /// A commit journalled before a crash or a timeout never landed. A lost
+    /// ledger commit is re-driven once (`redriven`); a lost invite or
+    /// remove must be issued again by the app.
+    CommitLost {
+        /// The group.
+        group: GroupId,
+        /// What it was.
+        kind: CommitKind,
+        /// The device it added or removed.
+        subject: Option<DeviceId>,
+        /// Whether its ledger entries were issued again.
+        redriven: bool,
+    },
+    /// A commit the engine started on its own (a re-drive) failed.
+    CommitFailed {
+        /// The group.
+        group: GroupId,
+        /// What it was.
+        kind: CommitKind,
+        /// Why.
+        error: CommitError,
     },
     /// A hub connection changed status.
     HubStatus {

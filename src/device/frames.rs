@@ -30,6 +30,11 @@ pub struct WelcomeEnvelope {
     pub commit_seq: u64,
     /// The serialized MLS Welcome message.
     pub welcome: Vec<u8>,
+    /// The inviter's whole ledger in enactment order, sealed under the
+    /// joiner's first epoch (exporter label "hubsync ledger snapshot v1",
+    /// the group id as additional data): the joiner installs it only if it
+    /// reproduces the head MLS authenticates.
+    pub ledger: Vec<u8>,
     /// Who invited.
     pub inviter: DeviceId,
     /// The inviter's ed25519 signature over [`WelcomeEnvelope::signed_bytes`].
@@ -62,6 +67,7 @@ impl WelcomeEnvelope {
         h.update(self.commit_hub.as_bytes());
         h.update(self.commit_seq.to_be_bytes());
         h.update(Sha256::digest(&self.welcome));
+        h.update(Sha256::digest(&self.ledger));
         h.update(self.inviter.0);
         h.finalize().to_vec()
     }
@@ -122,6 +128,7 @@ mod tests {
             commit_hub: "ws://a".into(),
             commit_seq: 9,
             welcome: vec![1, 2, 3],
+            ledger: vec![4, 5],
             inviter: DeviceId(key.verifying_key().to_bytes()),
             signature: vec![],
         }
@@ -129,6 +136,12 @@ mod tests {
         assert_eq!(WelcomeEnvelope::open(&env.encode()).unwrap(), env);
         let mut forged = env.clone();
         forged.hubs.push("ws://evil".into());
+        assert_eq!(
+            WelcomeEnvelope::open(&forged.encode()),
+            Err(EnvelopeError::BadSignature)
+        );
+        let mut forged = env.clone();
+        forged.ledger.push(6);
         assert_eq!(
             WelcomeEnvelope::open(&forged.encode()),
             Err(EnvelopeError::BadSignature)

@@ -11,11 +11,14 @@ use super::error::DeviceError;
 use super::events::Event;
 use super::frames::WelcomeEnvelope;
 use super::identity::DeviceIdentity;
+use super::lane::LOOPBACK_HUB;
+use super::ledger::HlcClock;
 use super::link::{HubLink, LinkConfig, LinkError};
 use super::outbox::{Outbox, OutboxSink, SendFailure};
 use super::records::{GroupId, GroupRecord, Records};
 use super::registry::Registry;
 use super::topics;
+use crate::clock::Clock;
 use crate::rng::SharedRng;
 use crate::transport::Connector;
 use crate::wire::{Publish, PublishOutcome, TopicId};
@@ -122,7 +125,7 @@ impl GroupTopics {
     pub(super) fn of(rec: &GroupRecord) -> Self {
         Self {
             commit_hub: rec.commit_hub.clone(),
-            commit: topics::commit_topic(&rec.id.0),
+            commit: topics::commit_topic(&rec.topic_seed),
             app: rec.app_topics.clone(),
         }
     }
@@ -164,6 +167,15 @@ pub(super) struct Shared {
     pub connector: Arc<dyn Connector>,
     pub config: ManagerConfig,
     pub rng: SharedRng,
+    /// The injected wall clock (ledger entries are ordered on it).
+    pub clock: Clock,
+    /// The device's hybrid logical clock for ledger entries.
+    pub hlc: HlcClock,
+    /// One commit run at a time per group (apart from the group lock).
+    pub lanes: Mutex<HashMap<GroupId, Arc<tokio::sync::Mutex<()>>>>,
+    /// The URL of this device's loopback hub, which the sentinel
+    /// [`LOOPBACK_HUB`] stands for.
+    pub loopback_url: String,
     pub links: Mutex<HashMap<String, HubLink>>,
     pub peers: Mutex<HashMap<(GroupId, String), GroupPeer>>,
     pub topics: Mutex<HashMap<GroupId, watch::Sender<GroupTopics>>>,
@@ -238,7 +250,19 @@ impl OutboxSink for LinkSink {
                     after: None,
                 });
             }
-            let link = GroupPeerManager { shared }.hub_link(&hub);
+            let me = GroupPeerManager { shared };
+            // Never bring a link back for a hub no group uses any more: what
+            // is still owed there cannot be delivered to anyone who reads it.
+            let existing = lock(&me.shared.links).get(&hub).cloned();
+            let link = match existing {
+                Some(l) => l,
+                None if me.hub_in_use(&hub) => me.hub_link(&hub),
+                None => {
+                    return Err(SendFailure::Refused(crate::wire::HubError::Internal {
+                        reason: format!("{hub} is no longer used by any group of this device"),
+                    }))
+                }
+            };
             link.publish(p).await.map_err(send_failure)
         })
     }
@@ -246,7 +270,7 @@ impl OutboxSink for LinkSink {
 
 /// Whether a link error is worth retrying (the outbox's and the commit
 /// lane's one classification).
-pub(super) fn send_failure(e: LinkError) -> SendFailure {
+pub(crate) fn send_failure(e: LinkError) -> SendFailure {
     match e {
         LinkError::Client(c) => SendFailure::from_client_error(c),
         other => SendFailure::Retry {
@@ -276,10 +300,16 @@ impl GroupPeerManager {
         connector: Arc<dyn Connector>,
         config: ManagerConfig,
         rng: SharedRng,
+        clock: Clock,
     ) -> Self {
         let (events, first_events) = broadcast::channel(EVENT_CAPACITY);
+        let loopback_url = super::loopback::loopback_url(&identity.id());
         Self {
             shared: Arc::new(Shared {
+                clock,
+                hlc: HlcClock::new(),
+                lanes: Mutex::new(HashMap::new()),
+                loopback_url,
                 identity,
                 registry,
                 records,
@@ -372,8 +402,13 @@ impl GroupPeerManager {
     }
 
     /// The shared link for `url`, created (and connecting) on first use.
+    /// [`LOOPBACK_HUB`] names this device's own loopback hub.
     pub fn hub_link(&self, url: &str) -> HubLink {
-        let url = url.trim_end_matches('/').to_string();
+        let url = if url == LOOPBACK_HUB {
+            self.shared.loopback_url.clone()
+        } else {
+            url.trim_end_matches('/').to_string()
+        };
         let mut links = lock(&self.shared.links);
         if let Some(l) = links.get(&url) {
             return l.clone();
@@ -444,7 +479,7 @@ impl GroupPeerManager {
         });
     }
 
-    /// Mark a group joined and create a peer for each of its hub bindings.
+    /// Mark a group joined and create a peer for each hub it travels.
     ///
     /// # Errors
     /// `UnknownGroup` when no record exists.
@@ -461,9 +496,7 @@ impl GroupPeerManager {
                 }
             }
         }
-        for hub in &rec.hubs {
-            self.add_binding_peer(group, hub);
-        }
+        self.sync_peers(&rec);
         Ok(())
     }
 
@@ -480,46 +513,38 @@ impl GroupPeerManager {
         lock(&self.shared.topics).remove(&group);
     }
 
-    /// Bind a group to another hub: record it and create the peer.
-    ///
-    /// # Errors
-    /// `UnknownGroup`, or the store's error.
-    pub async fn add_binding(&self, group: GroupId, hub: &str) -> Result<(), DeviceError> {
-        let hub = hub.trim_end_matches('/').to_string();
-        let mut guard = self.shared.registry.lock(group).await;
-        let mut rec = self.record(group)?;
-        if !rec.hubs.contains(&hub) {
-            rec.hubs.push(hub.clone());
-            let mut b = crate::kv::WriteBatch::new();
-            self.shared.records.put_group(&mut b, &rec);
-            guard.finish(b)?;
+    /// Make the group's peers follow the hubs its ledger binds (or its
+    /// loopback hub when none is bound): a peer for each new hub, none for
+    /// a hub unbound, and a link dropped when nothing uses it any more.
+    pub(super) fn sync_peers(&self, rec: &GroupRecord) {
+        self.publish_topics(rec);
+        let wanted = rec.routes();
+        let gone: Vec<GroupPeer> = {
+            let mut p = lock(&self.shared.peers);
+            let keys: Vec<_> = p
+                .keys()
+                .filter(|(g, h)| *g == rec.id && !wanted.contains(h))
+                .cloned()
+                .collect();
+            keys.into_iter().filter_map(|k| p.remove(&k)).collect()
+        };
+        for peer in gone {
+            peer.cancel.cancel();
+            let me = self.clone();
+            self.shared
+                .tasks
+                .spawn(async move { me.gc_link(&peer.hub).await });
         }
-        drop(guard);
-        self.add_binding_peer(group, &hub);
-        Ok(())
+        for hub in &wanted {
+            self.add_binding_peer(rec.id, hub);
+        }
     }
 
-    /// Unbind a group from a hub, dropping the link if no group uses it.
-    ///
-    /// # Errors
-    /// `UnknownGroup`, or the store's error.
-    pub async fn remove_binding(&self, group: GroupId, hub: &str) -> Result<(), DeviceError> {
-        let hub = hub.trim_end_matches('/').to_string();
-        let mut guard = self.shared.registry.lock(group).await;
-        let mut rec = self.record(group)?;
-        if rec.commit_hub == hub {
-            return Err(DeviceError::CommitHubBinding { group, hub });
-        }
-        rec.hubs.retain(|h| h != &hub);
-        let mut b = crate::kv::WriteBatch::new();
-        self.shared.records.put_group(&mut b, &rec);
-        guard.finish(b)?;
-        drop(guard);
-        if let Some(p) = lock(&self.shared.peers).remove(&(group, hub.clone())) {
-            p.cancel.cancel();
-        }
-        self.gc_link(&hub).await;
-        Ok(())
+    /// Whether a hub is still used: by a peer, or as one of the device's
+    /// own hubs.
+    pub(super) fn hub_in_use(&self, hub: &str) -> bool {
+        lock(&self.shared.peers).keys().any(|(_, h)| h == hub)
+            || lock(&self.shared.own_hubs).iter().any(|h| h == hub)
     }
 
     /// Stop and drop a link that no peer uses, unless it is one of the

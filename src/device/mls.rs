@@ -1,5 +1,6 @@
 //! The MLS settings every hubsync group uses.
 
+use super::ledger::{GroupExt, EXTENSION_TYPE};
 use openmls::prelude::*;
 
 /// The ciphersuite of every group.
@@ -15,22 +16,45 @@ pub const MAX_PAST_EPOCHS: usize = 10;
 /// Label of the exporter secret the app topic derives from.
 pub use super::topics::APP_TOPIC_LABEL;
 
-/// Leaf capabilities: basic credentials only.
+/// Leaf capabilities: basic credentials, and the hubsync GroupContext
+/// extension (every leaf must declare it, the creator's and every key
+/// package's, or adding a member fails).
 pub fn capabilities() -> Capabilities {
     Capabilities::builder()
         .credentials(vec![CredentialType::Basic])
+        .extensions(vec![ExtensionType::Unknown(EXTENSION_TYPE)])
         .build()
+}
+
+/// The GroupContext extensions of a new group: RequiredCapabilities naming
+/// the hubsync extension (so a joiner that cannot carry it is refused by
+/// MLS itself), and the extension with the genesis ledger head and the
+/// topic seed.
+///
+/// # Errors
+/// Never for these two distinct extensions; the type says why it could.
+pub fn group_extensions(ext: GroupExt) -> Result<Extensions<GroupContext>, InvalidExtensionError> {
+    let required = Extension::RequiredCapabilities(RequiredCapabilitiesExtension::new(
+        &[ExtensionType::Unknown(EXTENSION_TYPE)],
+        &[],
+        &[CredentialType::Basic],
+    ));
+    Extensions::from_vec(vec![required, ext.to_extension()])
 }
 
 /// The configuration a group is created with. The ratchet tree travels in
 /// the Welcome, so a joiner needs nothing else.
-pub fn create_config() -> MlsGroupCreateConfig {
-    MlsGroupCreateConfig::builder()
+///
+/// # Errors
+/// As [`group_extensions`].
+pub fn create_config(ext: GroupExt) -> Result<MlsGroupCreateConfig, InvalidExtensionError> {
+    Ok(MlsGroupCreateConfig::builder()
         .ciphersuite(CIPHERSUITE)
         .capabilities(capabilities())
         .max_past_epochs(MAX_PAST_EPOCHS)
         .use_ratchet_tree_extension(true)
-        .build()
+        .with_group_context_extensions(group_extensions(ext)?)
+        .build())
 }
 
 /// The configuration a group is joined with.

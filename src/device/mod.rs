@@ -2,12 +2,13 @@
 //! commit lane, the outbox, and the [`Device`] facade apps use.
 
 mod api;
+mod control;
 pub mod directory;
 pub mod error;
 pub mod events;
 pub mod frames;
 pub mod identity;
-mod lane;
+pub mod lane;
 pub mod ledger;
 pub mod link;
 pub mod loopback;
@@ -22,9 +23,10 @@ pub mod storage;
 pub mod topics;
 
 pub use api::{Device, DeviceOptions};
+pub use control::Settings;
 pub use error::DeviceError;
 pub use events::Event;
-pub use lane::{CommitReport, LaneState};
+pub use lane::{CommitError, CommitKind, CommitReport, LaneResult, LostCommit};
 pub use manager::{
     DeviceStats, FutureFrames, GroupPeer, GroupPeerManager, ManagerConfig, Observer,
 };

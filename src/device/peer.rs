@@ -1,12 +1,15 @@
-//! What a group peer does with what arrives: commits applied in hub order,
-//! app frames decrypted and delivered once, Welcomes joined.
+//! What a group peer does with what arrives: the commit topic handed to the
+//! lane's pull, app frames decrypted and delivered once, Welcomes joined;
+//! and the group operations that are not commits (create, send).
 
 use super::error::DeviceError;
 use super::events::Event;
 use super::frames::{digest, AppMessage, WelcomeEnvelope};
 use super::identity::device_id_of;
+use super::lane::select_commit_hub;
+use super::ledger::{self, Entry, EntryType, GroupExt, LedgerState};
 use super::link::HubLink;
-use super::manager::{hub_error, FutureFrames, GroupPeerManager, GroupTopics};
+use super::manager::{FutureFrames, GroupPeerManager, GroupTopics};
 use super::mls;
 use super::records::{GroupId, GroupRecord};
 use super::registry::{GroupGuard, OpProvider};
@@ -49,23 +52,12 @@ struct Item {
     ack: Option<u64>,
 }
 
-/// What applying one commit-topic frame did.
-enum FrameEffect {
-    /// An epoch already passed: skipped.
-    History,
-    /// Unreadable or refused by MLS: skipped and counted.
-    Poison,
-    /// Framed at a later epoch than ours: we missed something.
-    Ahead,
-    /// Merged; the roster changed when `roster` is set.
-    Merged { roster: bool },
-    /// The commit removed this device.
-    Removed,
-}
-
 impl GroupPeerManager {
     /// The peer task of one (group, hub): keep the hub subscriptions equal to
-    /// the group's topics and handle each arriving frame.
+    /// the group's topics and handle each arriving frame. The peer on the
+    /// commit hub pulls at start, on every push of the commit topic, and on
+    /// a timer that pushes do not reset, so a pull that failed under steady
+    /// traffic is still retried.
     pub(super) async fn run_peer(
         &self,
         group: GroupId,
@@ -76,7 +68,10 @@ impl GroupPeerManager {
     ) {
         let (tx, mut rx) = mpsc::channel::<Item>(256);
         let mut subs: HashMap<TopicId, tokio::task::JoinHandle<()>> = HashMap::new();
-        let mut first = true;
+        let mut pulled_once = false;
+        let mut tick = tokio::time::interval(PULL_INTERVAL);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tick.reset();
         loop {
             let t = topics_rx.borrow_and_update().clone();
             let is_commit_hub = t.commit_hub == hub;
@@ -108,8 +103,14 @@ impl GroupPeerManager {
                 );
                 if *topic != t.commit {
                     // Frames published before we subscribed are only in
-                    // the log: read it once.
-                    self.spawn_catch_up(link.clone(), topic.clone(), tx.clone(), cancel.clone());
+                    // the log: read it from where catch-up last stopped.
+                    self.spawn_catch_up(
+                        group,
+                        hub.clone(),
+                        link.clone(),
+                        topic.clone(),
+                        cancel.clone(),
+                    );
                 }
             }
             let stale: Vec<TopicId> = subs
@@ -123,35 +124,46 @@ impl GroupPeerManager {
                 }
                 link.unsubscribe(&topic).await;
             }
-            if first && is_commit_hub {
+            if is_commit_hub && !pulled_once {
+                pulled_once = true;
                 if let Err(e) = self.pull(group).await {
                     tracing::debug!(%group, error = %e, "initial pull failed; retried on the next tick");
                 }
             }
-            first = false;
+            if !is_commit_hub {
+                pulled_once = false;
+            }
             tokio::select! {
                 _ = cancel.cancelled() => break,
                 r = topics_rx.changed() => if r.is_err() { break },
-                _ = tokio::time::sleep(PULL_INTERVAL), if is_commit_hub => {
+                _ = tick.tick(), if is_commit_hub => {
                     if let Err(e) = self.pull(group).await {
                         tracing::debug!(%group, error = %e, "periodic pull failed");
                     }
                 }
                 item = rx.recv() => {
                     let Some(item) = item else { break };
-                    let r = if item.topic == t.commit {
-                        self.pull(group).await.map(|_| ())
-                    } else {
-                        self.receive_app(group, &item.payload, Some((&hub, &item.topic))).await
-                    };
-                    match r {
-                        Ok(()) | Err(DeviceError::UnknownGroup(_)) => {
-                            if let Some(id) = item.ack {
-                                link.ack(vec![id]).await;
+                    let handled = if item.topic == t.commit {
+                        match self.pull(group).await {
+                            Ok(()) => true,
+                            Err(e) if e.is_unknown_group() => true,
+                            Err(e) => {
+                                tracing::debug!(%group, hub = %hub, error = %e, "pull on push failed");
+                                false
                             }
                         }
-                        // Not acked: the hub delivers it again later.
-                        Err(e) => tracing::warn!(%group, hub = %hub, error = %e, "frame not handled"),
+                    } else {
+                        match self.receive_app(group, &item.payload, Some((&hub, &item.topic))).await {
+                            Ok(()) | Err(DeviceError::UnknownGroup(_)) => true,
+                            Err(e) => {
+                                tracing::warn!(%group, hub = %hub, error = %e, "frame not handled");
+                                false
+                            }
+                        }
+                    };
+                    // Not acked: the hub delivers it again later.
+                    if let (true, Some(id)) = (handled, item.ack) {
+                        link.ack(vec![id]).await;
                     }
                 }
             }
@@ -168,55 +180,40 @@ impl GroupPeerManager {
         }
     }
 
+    /// Read an app topic's log on this peer's hub from its catch-up cursor,
+    /// once the subscription is in force (a frame published in between is
+    /// then either in the log or pushed), retrying until it succeeds or the
+    /// peer goes away.
     fn spawn_catch_up(
         &self,
+        group: GroupId,
+        hub: String,
         link: HubLink,
         topic: TopicId,
-        tx: mpsc::Sender<Item>,
         cancel: CancellationToken,
     ) {
+        let me = self.clone();
         self.shared.tasks.spawn(async move {
-            // Read the log only once the subscription is in force at the
-            // hub: a frame published in between is then either in the log
-            // when we read it or pushed to us afterwards.
             loop {
                 let r = tokio::select! {
                     _ = cancel.cancelled() => return,
-                    r = link.flush_subscriptions() => r,
+                    r = link.flush_subscriptions() => r.map_err(|e| e.to_string()),
+                };
+                let r = match r {
+                    Ok(()) => tokio::select! {
+                        _ = cancel.cancelled() => return,
+                        r = me.catch_up_app(group, &hub, &link, &topic) => r,
+                    },
+                    Err(e) => Err(crate::device::lane::PullError::Hub {
+                        url: hub.clone(),
+                        source: crate::device::link::LinkError::NotConnected { url: e },
+                    }),
                 };
                 match r {
-                    Ok(()) => break,
-                    Err(_) => tokio::select! {
-                        _ = cancel.cancelled() => return,
-                        _ = tokio::time::sleep(Duration::from_secs(1)) => {}
-                    },
-                }
-            }
-            let mut after = 0;
-            loop {
-                let page = tokio::select! {
-                    _ = cancel.cancelled() => return,
-                    p = link.fetch(&topic, after, 200) => p,
-                };
-                match page {
-                    Ok(f) => {
-                        let done = f.messages.len() < 200;
-                        for m in f.messages {
-                            after = m.seq;
-                            let item = Item {
-                                topic: topic.clone(),
-                                payload: m.payload,
-                                ack: None,
-                            };
-                            if tx.send(item).await.is_err() {
-                                return;
-                            }
-                        }
-                        if done {
-                            return;
-                        }
-                    }
-                    Err(_) => {
+                    Ok(()) => return,
+                    Err(e) if e.is_unknown_group() => return,
+                    Err(e) => {
+                        tracing::debug!(%group, hub = %hub, error = %e, "app catch-up failed; retrying");
                         tokio::select! {
                             _ = cancel.cancelled() => return,
                             _ = tokio::time::sleep(Duration::from_secs(1)) => {}
@@ -227,146 +224,11 @@ impl GroupPeerManager {
         });
     }
 
-    /// Pull the group's commit topic to its end and apply it. Answers the
-    /// hub's head.
-    ///
-    /// # Errors
-    /// `UnknownGroup`, a hub error, or the store's error.
-    pub async fn pull(&self, group: GroupId) -> Result<Option<u64>, DeviceError> {
-        if self.shared.faults.no_pull.load(Ordering::Relaxed) {
-            return Ok(None);
-        }
-        // Look first without the group's lock: an unreachable commit hub or
-        // a log with nothing new must not hold up sends and app frames.
-        let seen = self.record(group)?;
-        let f = self
-            .hub_link(&seen.commit_hub)
-            .fetch(&topics::commit_topic(&group.0), seen.commit_cursor, 1)
-            .await
-            .map_err(|e| hub_error(&seen.commit_hub, e))?;
-        if f.messages.is_empty() && !f.gap && self.shared.records.journal(&group)?.is_none() {
-            return Ok(f.head);
-        }
-        let mut guard = self.shared.registry.lock(group).await;
-        let mut rec = self.record(group)?;
-        self.pull_locked(&mut guard, &mut rec).await
-    }
-
-    /// [`pull`](Self::pull) with the group's lock held by the caller.
-    pub(super) async fn pull_locked(
-        &self,
-        guard: &mut GroupGuard,
-        rec: &mut GroupRecord,
-    ) -> Result<Option<u64>, DeviceError> {
-        self.replay_journal(guard, rec).await?;
-        let link = self.hub_link(&rec.commit_hub);
-        let topic = topics::commit_topic(&rec.id.0);
-        let mut caught_up = false;
-        loop {
-            let f = link
-                .fetch(&topic, rec.commit_cursor, 100)
-                .await
-                .map_err(|e| hub_error(&rec.commit_hub, e))?;
-            if !caught_up && !f.messages.is_empty() {
-                // Read the current epoch's messages before moving on: once
-                // the group is more than a few epochs further, they can no
-                // longer be decrypted.
-                if let Some(app) = rec.app_topics.first().cloned() {
-                    self.catch_up_locked(guard, rec, &link, &app).await;
-                }
-                caught_up = true;
-            }
-            if f.gap {
-                if !rec.stranded {
-                    rec.stranded = true;
-                    self.save_record(guard, rec)?;
-                    self.emit(Event::Stranded { group: rec.id });
-                }
-                return Ok(f.head);
-            }
-            if f.messages.is_empty() {
-                return Ok(f.head);
-            }
-            for m in f.messages {
-                let effect = self.apply_commit_frame(guard, rec, &m.payload)?;
-                rec.commit_cursor = m.seq;
-                match effect {
-                    FrameEffect::History => self.save_record(guard, rec)?,
-                    FrameEffect::Poison => {
-                        rec.poison += 1;
-                        self.shared.counters.poison.fetch_add(1, Ordering::Relaxed);
-                        tracing::warn!(group = %rec.id, seq = m.seq, "poison frame on the commit topic skipped");
-                        self.save_record(guard, rec)?;
-                    }
-                    FrameEffect::Ahead => {
-                        let first = !rec.stranded;
-                        rec.stranded = true;
-                        self.save_record(guard, rec)?;
-                        if first {
-                            self.emit(Event::Stranded { group: rec.id });
-                        }
-                        return Ok(f.head);
-                    }
-                    FrameEffect::Merged { roster } => {
-                        self.after_merge(guard, rec, roster, WriteBatch::new())?;
-                        if roster {
-                            // A new app topic: read what it already holds
-                            // while its epoch is still readable.
-                            if let Some(app) = rec.app_topics.first().cloned() {
-                                self.catch_up_locked(guard, rec, &link, &app).await;
-                            }
-                        }
-                    }
-                    FrameEffect::Removed => {
-                        self.leave(guard, rec.id).await?;
-                        return Ok(f.head);
-                    }
-                }
-            }
-        }
-    }
-
-    /// Read an app topic's whole log through `link` and handle every frame
-    /// (with the group's lock held). Best effort: an unreachable hub leaves
-    /// it to the peers' own catch-up and to pushes.
-    async fn catch_up_locked(
+    pub(super) fn save_record(
         &self,
         guard: &mut GroupGuard,
         rec: &GroupRecord,
-        link: &HubLink,
-        topic: &TopicId,
-    ) {
-        let mut after = 0;
-        loop {
-            let Ok(f) = link.fetch(topic, after, 200).await else {
-                return;
-            };
-            let done = f.messages.len() < 200;
-            let mut b = WriteBatch::new();
-            let mut events = Vec::new();
-            for m in f.messages {
-                after = m.seq;
-                match self.receive_locked(guard, rec.id, &m.payload, &mut b) {
-                    Ok(e) => events.extend(e),
-                    Err(e) => {
-                        tracing::debug!(group = %rec.id, error = %e, "catch-up frame not handled");
-                        return;
-                    }
-                }
-            }
-            if guard.finish(b).is_err() {
-                return;
-            }
-            for e in events {
-                self.emit(e);
-            }
-            if done {
-                return;
-            }
-        }
-    }
-
-    fn save_record(&self, guard: &mut GroupGuard, rec: &GroupRecord) -> Result<(), DeviceError> {
+    ) -> Result<(), DeviceError> {
         let mut b = WriteBatch::new();
         self.shared.records.put_group(&mut b, rec);
         guard.finish(b)?;
@@ -434,56 +296,12 @@ impl GroupPeerManager {
         })?)
     }
 
-    fn apply_commit_frame(
+    /// Members of the group as a set (for membership tests).
+    pub(super) fn member_set(
         &self,
         guard: &mut GroupGuard,
-        rec: &GroupRecord,
-        payload: &[u8],
-    ) -> Result<FrameEffect, DeviceError> {
-        let Ok(msg) = MlsMessageIn::tls_deserialize_exact(payload) else {
-            return Ok(FrameEffect::Poison);
-        };
-        let Ok(pm) = msg.try_into_protocol_message() else {
-            return Ok(FrameEffect::Poison);
-        };
-        if pm.group_id().as_slice() != rec.id.0 {
-            return Ok(FrameEffect::Poison);
-        }
-        let ours = guard.read(|g| g.epoch().as_u64())?;
-        let theirs = pm.epoch().as_u64();
-        if theirs < ours {
-            return Ok(FrameEffect::History);
-        }
-        if theirs > ours {
-            return Ok(FrameEffect::Ahead);
-        }
-        let before = guard.read(|g| g.epoch_authenticator().as_slice().to_vec())?;
-        let processed = guard.with(|g, p| g.process_message(p, pm))?;
-        let staged = match processed.map(|p| p.into_content()) {
-            Ok(ProcessedMessageContent::StagedCommitMessage(s)) => s,
-            Ok(_) | Err(_) => {
-                guard.discard();
-                return Ok(FrameEffect::Poison);
-            }
-        };
-        let roster =
-            staged.add_proposals().next().is_some() || staged.remove_proposals().next().is_some();
-        if staged.self_removed() {
-            return Ok(FrameEffect::Removed);
-        }
-        if guard
-            .with(|g, p| g.merge_staged_commit(p, *staged))?
-            .is_err()
-        {
-            guard.discard();
-            return Ok(FrameEffect::Poison);
-        }
-        let after = guard.read(|g| g.epoch_authenticator().as_slice().to_vec())?;
-        if after == before {
-            guard.discard();
-            return Err(super::registry::RegistryError::MergeDidNotAdvance(rec.id).into());
-        }
-        Ok(FrameEffect::Merged { roster })
+    ) -> Result<std::collections::BTreeSet<DeviceId>, DeviceError> {
+        Ok(self.members_of(guard)?.into_iter().collect())
     }
 
     /// Forget a group this device was removed from: its MLS state (every
@@ -544,7 +362,7 @@ impl GroupPeerManager {
                         retention_secs: None,
                         payload: payload.to_vec(),
                     };
-                    for hub in rec.hubs.iter().filter(|h| h.as_str() != from) {
+                    for hub in rec.routes().iter().filter(|h| h.as_str() != from) {
                         self.shared
                             .outbox
                             .stage(&mut b, hub, &publish)
@@ -559,6 +377,13 @@ impl GroupPeerManager {
         if forwarded {
             self.shared.outbox.wake();
         }
+        self.emit_received(events);
+        Ok(())
+    }
+
+    /// Hand received messages to the app (twice under the test fault that
+    /// shows the simulation catches a broken inbox).
+    pub(super) fn emit_received(&self, events: Vec<Event>) {
         let twice = self.shared.faults.double_emit.load(Ordering::Relaxed);
         for e in events {
             if twice {
@@ -566,10 +391,9 @@ impl GroupPeerManager {
             }
             self.emit(e);
         }
-        Ok(())
     }
 
-    fn receive_locked(
+    pub(super) fn receive_locked(
         &self,
         guard: &mut GroupGuard,
         group: GroupId,
@@ -759,20 +583,74 @@ impl GroupPeerManager {
         }
         guard.install(group);
         let topic = self.current_app_topic(&mut guard)?;
+        let ext = match guard.read(|g| GroupExt::from_extensions(g.extensions()))? {
+            Ok(Some(ext)) => ext,
+            _ => {
+                guard.discard();
+                return Err(DeviceError::Mls(
+                    "the group has no valid hubsync extension".into(),
+                ));
+            }
+        };
+        // The inviter sealed its whole ledger to our first epoch; it counts
+        // only if it reproduces the head MLS authenticates.
+        let crypto = self.shared.registry.provider().crypto();
+        let key = guard
+            .read(|g| g.export_secret(crypto, ledger::SNAPSHOT_KEY_LABEL, &[], 16))?
+            .map_err(|e| DeviceError::Mls(e.to_string()))?;
+        let verified = ledger::open(crypto, &key, &env.group.0, &env.ledger)
+            .and_then(|plain| ledger::decode_list(&plain))
+            .and_then(|entries| {
+                let state = LedgerState::fold(env.group, &entries)?;
+                if state.head == ext.ledger_head {
+                    Ok((entries, state))
+                } else {
+                    Err(ledger::LedgerError::HeadMismatch)
+                }
+            });
+        let envelope_hubs: Vec<String> = env
+            .hubs
+            .iter()
+            .map(|h| h.trim_end_matches('/').to_string())
+            .collect();
+        let (hubs, commit_hub, complete, entries) = match verified {
+            Ok((entries, state)) => (state.hubs.clone(), select_commit_hub(&state), true, entries),
+            Err(e) => {
+                tracing::warn!(group = %env.group, error = %e, "the Welcome's ledger does not verify: ledger incomplete until gathered");
+                (
+                    envelope_hubs,
+                    env.commit_hub.trim_end_matches('/').to_string(),
+                    false,
+                    Vec::new(),
+                )
+            }
+        };
+        let mut cursors = std::collections::BTreeMap::new();
+        if commit_hub == env.commit_hub.trim_end_matches('/') {
+            cursors.insert(commit_hub.clone(), env.commit_seq);
+        }
         let rec = GroupRecord {
             id: env.group,
-            hubs: env
-                .hubs
-                .iter()
-                .map(|h| h.trim_end_matches('/').to_string())
-                .collect(),
-            commit_hub: env.commit_hub.trim_end_matches('/').to_string(),
-            commit_cursor: env.commit_seq,
+            hubs,
+            commit_hub,
+            cursors,
             app_topics: vec![topic],
             stranded: false,
             poison: 0,
+            topic_seed: ext.topic_seed,
+            ledger_complete: complete,
+            merged: Vec::new(),
         };
-        self.save_record(&mut guard, &rec)?;
+        let mut b = WriteBatch::new();
+        if held.is_some() {
+            self.shared.records.delete_group(&mut b, &env.group)?;
+        }
+        self.shared.records.put_group(&mut b, &rec);
+        let encoded: Vec<Vec<u8>> = entries.iter().map(Entry::encode).collect();
+        self.shared
+            .records
+            .put_ledger(&mut b, &env.group, 0, &encoded);
+        guard.finish(b)?;
         let epoch = guard.read(|g| g.epoch().as_u64())?;
         let members = self.members_of(&mut guard)?;
         drop(guard);
@@ -787,10 +665,12 @@ impl GroupPeerManager {
         Ok(true)
     }
 
-    /// Create a group bound to `hubs`; the first is its commit hub.
+    /// Create a group bound to `hubs` (the first is its commit hub), with
+    /// this device its first member and first admin. With no hub, the
+    /// group commits through this device's loopback hub until one is bound.
     ///
     /// # Errors
-    /// `NoHubs`, MLS or store errors.
+    /// MLS or store errors.
     pub async fn create_group(&self, hubs: &[String]) -> Result<GroupId, DeviceError> {
         let mut bound: Vec<String> = Vec::new();
         for h in hubs {
@@ -799,18 +679,39 @@ impl GroupPeerManager {
                 bound.push(h);
             }
         }
-        let Some(commit_hub) = bound.first().cloned() else {
-            return Err(DeviceError::NoHubs);
-        };
         let id = GroupId(self.shared.rng.bytes32());
-        let mut guard = self.shared.registry.lock(id).await;
+        let topic_seed = self.shared.rng.bytes32();
         let me = &self.shared.identity;
+        let mut entries =
+            vec![self.sign_entry(EntryType::AdminGrant, id, me.id().0.to_vec(), Vec::new())];
+        for h in &bound {
+            entries.push(self.sign_entry(
+                EntryType::HubBind,
+                id,
+                h.as_bytes().to_vec(),
+                Vec::new(),
+            ));
+        }
+        if let Some(first) = bound.first() {
+            entries.push(self.sign_entry(
+                EntryType::HubCommit,
+                id,
+                first.as_bytes().to_vec(),
+                Vec::new(),
+            ));
+        }
+        let state = LedgerState::fold(id, &entries).map_err(|e| DeviceError::Mls(e.to_string()))?;
+        let ext = GroupExt {
+            ledger_head: state.head,
+            topic_seed,
+        };
+        let mut guard = self.shared.registry.lock(id).await;
         let group = {
             let p = guard.provider();
             MlsGroup::new_with_group_id(
                 p,
                 me.signature_key_pair(),
-                &mls::create_config(),
+                &mls::create_config(ext).map_err(|e| DeviceError::Mls(e.to_string()))?,
                 id.to_mls(),
                 me.credential_with_key(),
             )
@@ -820,14 +721,21 @@ impl GroupPeerManager {
         let topic = self.current_app_topic(&mut guard)?;
         let rec = GroupRecord {
             id,
-            hubs: bound,
-            commit_hub,
-            commit_cursor: 0,
+            hubs: state.hubs.clone(),
+            commit_hub: select_commit_hub(&state),
+            cursors: std::collections::BTreeMap::new(),
             app_topics: vec![topic],
             stranded: false,
             poison: 0,
+            topic_seed,
+            ledger_complete: true,
+            merged: Vec::new(),
         };
-        self.save_record(&mut guard, &rec)?;
+        let mut b = WriteBatch::new();
+        self.shared.records.put_group(&mut b, &rec);
+        let encoded: Vec<Vec<u8>> = entries.iter().map(Entry::encode).collect();
+        self.shared.records.put_ledger(&mut b, &id, 0, &encoded);
+        guard.finish(b)?;
         drop(guard);
         self.add_group(id).await?;
         self.emit(Event::GroupJoined {
@@ -880,7 +788,7 @@ impl GroupPeerManager {
             retention_secs: None,
             payload: bytes,
         };
-        for hub in &rec.hubs {
+        for hub in &rec.routes() {
             self.shared
                 .outbox
                 .stage(&mut b, hub, &publish)

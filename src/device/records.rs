@@ -3,10 +3,12 @@
 //! message arrive once. Values are serde_json, like the MLS state, so the
 //! store stays readable across versions.
 
+use super::lane::JournalEntry;
 use crate::kv::{KvError, KvStore, WriteBatch};
 use crate::wire::TopicId;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 use std::fmt;
 
 /// A group's id: 32 random bytes fixed at creation.
@@ -42,21 +44,51 @@ impl fmt::Debug for GroupId {
 pub struct GroupRecord {
     /// The group.
     pub id: GroupId,
-    /// Hub URLs the group is bound to.
+    /// Hub URLs the group is bound to, as its ledger says (`hub.bind`,
+    /// `hub.unbind`), in bind order.
     pub hubs: Vec<String>,
-    /// The hub every commit goes through.
+    /// The group's canonical commit hub as every member computes it from
+    /// the ledger (see `GroupPeerManager::select_commit_hub`).
     pub commit_hub: String,
-    /// Sequence number of the last commit-topic frame applied from the
-    /// commit hub (0: none).
-    pub commit_cursor: u64,
+    /// Per hub: the sequence number of the last commit-topic frame applied
+    /// or judged there (0: none). Only the commit hub's moves; the others
+    /// keep where they were, for when the commit hub moves back.
+    pub cursors: BTreeMap<String, u64>,
     /// App topics, newest first: the current one and a few previous ones,
     /// still read so a message that raced a roster change is not lost.
     pub app_topics: Vec<TopicId>,
     /// Set on positive evidence that the group moved on without us.
     pub stranded: bool,
-    /// Commit-topic frames skipped as unreadable.
+    /// Commit-topic frames skipped without being applied.
     pub poison: u64,
+    /// The group's secret topic seed (from its GroupContext extension):
+    /// every non-rotating topic of the group derives from it.
+    pub topic_seed: [u8; 32],
+    /// Whether this device holds the group's whole ledger (its recomputed
+    /// head equals the authenticated one). A joiner whose snapshot did not
+    /// verify has an incomplete ledger until a gather repairs it.
+    pub ledger_complete: bool,
+    /// The commits this device merged at its last few epochs: what tells a
+    /// replayed frame (history) from a competing one (fork).
+    pub merged: Vec<MergedCommit>,
 }
+
+/// One commit this device merged, remembered to judge frames of its epoch.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MergedCommit {
+    /// The epoch the commit was framed in.
+    pub epoch: u64,
+    /// SHA-256 of the frame's payload.
+    pub digest: [u8; 32],
+    /// The hub it was read from or published to.
+    pub hub: String,
+    /// Its position there; `None` once the hub rewound (positions from
+    /// before a rewind say nothing about positions after it).
+    pub seq: Option<u64>,
+}
+
+/// Merged commits remembered per group.
+pub const MERGED_KEPT: usize = 16;
 
 /// How many app topics a group keeps reading: enough to cover every epoch
 /// whose messages are still readable (a roster change at each of them at
@@ -76,25 +108,52 @@ impl GroupRecord {
         self.app_topics.truncate(APP_TOPICS_KEPT);
         true
     }
-}
 
-/// The commit in flight, written with the MLS pending commit in one batch
-/// before the publish, so a crash never loses or doubles a commit.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct JournalEntry {
-    /// The exact bytes published.
-    pub payload: Vec<u8>,
-    /// Their publish id (a replay must carry the same).
-    pub publish_id: crate::wire::PublishId,
-    /// The head the publish compared against.
-    pub expected_head: crate::wire::ExpectedHead,
-    /// Whether the commit changes the roster.
-    pub roster: bool,
-    /// Who the commit adds, and the Welcome to send them once it landed.
-    pub welcome: Option<(crate::wire::DeviceId, Vec<u8>)>,
+    /// The commit hub's cursor.
+    pub fn cursor(&self) -> u64 {
+        self.cursors.get(&self.commit_hub).copied().unwrap_or(0)
+    }
+
+    /// Move `hub`'s cursor to `seq` (never backwards; a rewind resets it
+    /// with [`GroupRecord::rewind`]).
+    pub fn advance(&mut self, hub: &str, seq: u64) {
+        let c = self.cursors.entry(hub.to_string()).or_insert(0);
+        *c = (*c).max(seq);
+    }
+
+    /// `hub` lost or restored its store: read it again from the start, and
+    /// forget positions learned there.
+    pub fn rewind(&mut self, hub: &str) {
+        self.cursors.insert(hub.to_string(), 0);
+        for m in self.merged.iter_mut().filter(|m| m.hub == hub) {
+            m.seq = None;
+        }
+    }
+
+    /// Remember a merged commit.
+    pub fn remember(&mut self, m: MergedCommit) {
+        self.merged.retain(|k| k.epoch != m.epoch);
+        self.merged.push(m);
+        if self.merged.len() > MERGED_KEPT {
+            let cut = self.merged.len() - MERGED_KEPT;
+            self.merged.drain(..cut);
+        }
+    }
+
+    /// The hubs the group's frames travel: its bound hubs, or its commit
+    /// hub alone (the loopback hub) when none is bound.
+    pub fn routes(&self) -> Vec<String> {
+        if self.hubs.is_empty() {
+            vec![self.commit_hub.clone()]
+        } else {
+            self.hubs.clone()
+        }
+    }
 }
 
 const GROUP: &[u8] = b"eng/group/";
+const LEDGER: &[u8] = b"eng/ledger/";
+const APP_CURSOR: &[u8] = b"eng/appcur/";
 const JOURNAL: &[u8] = b"eng/journal/";
 const INBOX: &[u8] = b"eng/inbox/";
 const MESSAGE: &[u8] = b"eng/msg/";
@@ -105,6 +164,13 @@ fn key(prefix: &[u8], group: &GroupId, rest: &[u8]) -> Vec<u8> {
     k.extend_from_slice(&group.0);
     k.extend_from_slice(rest);
     k
+}
+
+fn app_cursor_key(group: &GroupId, hub: &str, topic: &TopicId) -> Vec<u8> {
+    let mut rest = (hub.len() as u32).to_be_bytes().to_vec();
+    rest.extend_from_slice(hub.as_bytes());
+    rest.extend_from_slice(&topic.0);
+    key(APP_CURSOR, group, &rest)
 }
 
 fn json<T: Serialize>(v: &T) -> Vec<u8> {
@@ -172,10 +238,78 @@ impl Records {
     pub fn delete_group(&self, batch: &mut WriteBatch, id: &GroupId) -> Result<(), KvError> {
         batch.delete(key(GROUP, id, &[]));
         batch.delete(key(JOURNAL, id, &[]));
-        for prefix in [INBOX, MESSAGE, FUTURE] {
+        for prefix in [INBOX, MESSAGE, FUTURE, LEDGER, APP_CURSOR] {
             for (k, _) in self.kv.scan_prefix(&key(prefix, id, &[]), usize::MAX)? {
                 batch.delete(k);
             }
+        }
+        Ok(())
+    }
+
+    /// The group's ledger entries in enactment order, as stored (encoded).
+    ///
+    /// # Errors
+    /// The store's error.
+    pub fn ledger(&self, group: &GroupId) -> Result<Vec<Vec<u8>>, KvError> {
+        Ok(self
+            .kv
+            .scan_prefix(&key(LEDGER, group, &[]), usize::MAX)?
+            .into_iter()
+            .map(|(_, v)| v)
+            .collect())
+    }
+
+    /// Stage ledger entries (encoded) at positions `from`, `from + 1`, ...
+    pub fn put_ledger(
+        &self,
+        batch: &mut WriteBatch,
+        group: &GroupId,
+        from: u64,
+        entries: &[Vec<u8>],
+    ) {
+        for (i, e) in entries.iter().enumerate() {
+            batch.put(
+                key(LEDGER, group, &(from + i as u64).to_be_bytes()),
+                e.clone(),
+            );
+        }
+    }
+
+    /// Where catch-up stopped reading `topic` on `hub` (0: never read).
+    ///
+    /// # Errors
+    /// The store's error.
+    pub fn app_cursor(&self, group: &GroupId, hub: &str, topic: &TopicId) -> Result<u64, KvError> {
+        Ok(read(&*self.kv, &app_cursor_key(group, hub, topic))?.unwrap_or(0))
+    }
+
+    /// Stage the catch-up position of `topic` on `hub`.
+    pub fn put_app_cursor(
+        &self,
+        batch: &mut WriteBatch,
+        group: &GroupId,
+        hub: &str,
+        topic: &TopicId,
+        seq: u64,
+    ) {
+        batch.put(app_cursor_key(group, hub, topic), json(&seq));
+    }
+
+    /// Stage the reset of every catch-up position on `hub` (it rewound).
+    ///
+    /// # Errors
+    /// The store's error.
+    pub fn reset_app_cursors(
+        &self,
+        batch: &mut WriteBatch,
+        group: &GroupId,
+        hub: &str,
+    ) -> Result<(), KvError> {
+        let mut prefix = key(APP_CURSOR, group, &[]);
+        prefix.extend_from_slice(&(hub.len() as u32).to_be_bytes());
+        prefix.extend_from_slice(hub.as_bytes());
+        for (k, _) in self.kv.scan_prefix(&prefix, usize::MAX)? {
+            batch.delete(k);
         }
         Ok(())
     }

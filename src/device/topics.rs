@@ -1,12 +1,14 @@
-//! The hub topics of a group, derived so that topic names alone do not name
-//! the group (the MLS framing inside payloads does carry the group id; a hub
-//! that parses payloads can link them).
+//! The hub topics of a group, unguessable to anyone outside it
+//! (DESIGN.md section 9).
 //!
-//! The commit and rendezvous topics come from the group id, which is fixed at
-//! creation and carried in every Welcome and GroupInfo, so a member stranded
-//! at any epoch can still find them. The app topic comes from the MLS
-//! exporter secret of the epoch of the last roster change, so it rotates when
-//! membership changes and a removed member cannot compute the next one.
+//! The commit and rendezvous topics come from the group's 32-byte secret
+//! topic seed, chosen at creation and carried only inside MLS (the group's
+//! GroupContext extension, beside the ledger head), so a Welcome or a sealed
+//! GroupInfo delivers it and a member stranded at any epoch can still find
+//! them; never from the group id, which travels in clear. The app topic
+//! comes from the MLS exporter secret of the epoch of the last roster
+//! change, so it rotates when membership changes and a removed member
+//! cannot compute the next one.
 
 use crate::wire::{DeviceId, TopicId};
 use sha2::{Digest, Sha256};
@@ -23,14 +25,14 @@ fn derive(domain: &[u8], input: &[u8]) -> TopicId {
     TopicId(h.finalize().to_vec())
 }
 
-/// The group's commit log (never rotates).
-pub fn commit_topic(group_id: &[u8]) -> TopicId {
-    derive(b"commit", group_id)
+/// The group's commit log (never rotates), from its topic seed.
+pub fn commit_topic(seed: &[u8; 32]) -> TopicId {
+    derive(b"commit", seed)
 }
 
-/// The group's rendezvous mailbox (never rotates).
-pub fn rendezvous_topic(group_id: &[u8]) -> TopicId {
-    derive(b"rendezvous", group_id)
+/// The group's rendezvous mailbox (never rotates), from its topic seed.
+pub fn rendezvous_topic(seed: &[u8; 32]) -> TopicId {
+    derive(b"rendezvous", seed)
 }
 
 /// The app topic for an exporter secret drawn at a roster change.

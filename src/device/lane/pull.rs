@@ -1,0 +1,725 @@
+//! Reading the commit topic: fetch pages with no lock held, then apply
+//! each page under the group lock after checking that nobody else moved
+//! the cursor meanwhile. Each frame is judged by [`classify`] on
+//! authenticated evidence; a frame that could be applied goes through MLS
+//! and the ledger checks; every skipped frame is an event with its reason.
+//!
+//! A local failure (the store, a merge that fails) is never a judgement on
+//! the frame: the pull fails, the cursor stays before that frame, and the
+//! next pull tries it again.
+
+use super::build::{parse_enacted_aad, seal_key, CommitFrame};
+use super::classify::{classify, Facts, MergedThere, SkipReason, Verdict};
+use super::{CommitError, JournalEntry};
+use crate::device::events::Event;
+use crate::device::frames::digest;
+use crate::device::identity::device_id_of;
+use crate::device::ledger::{self, Entry, EntryType, GroupExt, LedgerState};
+use crate::device::link::{HubLink, LinkError};
+use crate::device::manager::GroupPeerManager;
+use crate::device::records::{GroupId, GroupRecord, MergedCommit};
+use crate::device::registry::{GroupGuard, RegistryError};
+use crate::device::topics;
+use crate::kv::{KvError, WriteBatch};
+use crate::wire::{DeviceId, LogFrame, TopicId};
+use openmls::prelude::tls_codec::Deserialize as _;
+use openmls::prelude::*;
+use std::collections::BTreeSet;
+use std::sync::atomic::Ordering;
+
+/// Frames fetched per page.
+const PAGE: u32 = 100;
+
+/// Where a pull ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Pulled {
+    /// Read to the end of the commit hub's topic.
+    CaughtUp,
+    /// Positive evidence that the group moved on without us.
+    Stranded,
+    /// A commit removed this device; its state there is gone.
+    Removed,
+}
+
+/// Why a pull failed. Nothing past the failing frame was applied.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PullError {
+    /// The device is not in that group.
+    #[error("not a member of group {0}")]
+    UnknownGroup(GroupId),
+    /// The commit hub could not be read.
+    #[error("hub {url}: {source}")]
+    Hub {
+        /// The hub.
+        url: String,
+        /// What the link said.
+        #[source]
+        source: LinkError,
+    },
+    /// The device's store failed, or a merge failed locally.
+    #[error("device store: {0}")]
+    Store(#[source] RegistryError),
+    /// Settling an earlier run's journal failed.
+    #[error(transparent)]
+    Commit(#[from] CommitError),
+}
+
+impl PullError {
+    /// Whether the group is gone.
+    pub fn is_unknown_group(&self) -> bool {
+        matches!(
+            self,
+            PullError::UnknownGroup(_) | PullError::Commit(CommitError::UnknownGroup(_))
+        )
+    }
+
+    /// The same failure as a commit's.
+    pub(crate) fn into_commit_error(self, group: GroupId) -> CommitError {
+        match self {
+            PullError::UnknownGroup(g) => CommitError::UnknownGroup(g),
+            PullError::Hub { .. } => CommitError::TimedOut(group),
+            PullError::Store(e) => CommitError::Store(e),
+            PullError::Commit(c) => c,
+        }
+    }
+}
+
+impl From<RegistryError> for PullError {
+    fn from(e: RegistryError) -> Self {
+        match e {
+            RegistryError::UnknownGroup(g) => PullError::UnknownGroup(g),
+            other => PullError::Store(other),
+        }
+    }
+}
+
+impl From<KvError> for PullError {
+    fn from(e: KvError) -> Self {
+        PullError::Store(RegistryError::from(e))
+    }
+}
+
+impl From<crate::device::DeviceError> for PullError {
+    fn from(e: crate::device::DeviceError) -> Self {
+        match e {
+            crate::device::DeviceError::UnknownGroup(g) => PullError::UnknownGroup(g),
+            other => PullError::Store(RegistryError::Store(other.to_string())),
+        }
+    }
+}
+
+/// What applying one frame did to the pull.
+enum Applied {
+    /// Go on with the next frame.
+    Next,
+    /// The commit hub changed: read the new one.
+    HubChanged,
+    /// Stop: stranded.
+    Stranded,
+    /// Stop: this device was removed.
+    Removed,
+}
+
+/// The sentinel commit hub of a group with no hub bound: each device's own
+/// in-process hub. Every member computes the same string; each reaches its
+/// own loopback hub through it.
+pub const LOOPBACK_HUB: &str = "loopback://local";
+
+/// The group's canonical commit hub as its ledger names it: the
+/// `hub.commit` hub; with none, the bound hub whose URL sorts first (with a
+/// warning); with no hub bound, the loopback hub. A pure function of the
+/// ledger, so every member computes the same answer.
+pub fn select_commit_hub(ledger: &LedgerState) -> String {
+    if let Some(h) = &ledger.commit_hub {
+        return h.clone();
+    }
+    if let Some(first) = ledger.hubs.iter().min() {
+        tracing::warn!(group = %ledger.group, hub = %first, "no hub.commit entry: committing through the first hub by URL");
+        return first.clone();
+    }
+    LOOPBACK_HUB.to_string()
+}
+
+impl GroupPeerManager {
+    /// Pull the group's commit topic to its end and apply it. Answers the
+    /// hub's head as last read.
+    ///
+    /// # Errors
+    /// `UnknownGroup`, the hub's failure, or the store's.
+    pub async fn pull(&self, group: GroupId) -> Result<(), PullError> {
+        self.pull_inner(group, false).await.map(|_| ())
+    }
+
+    /// The ledger this device holds for a group, folded by full replay.
+    ///
+    /// # Errors
+    /// The store's error; a stored ledger that does not fold is `Corrupt`.
+    pub(crate) fn ledger_state(&self, rec: &GroupRecord) -> Result<LedgerState, KvError> {
+        let entries = self.ledger_entries(rec.id)?;
+        LedgerState::fold(rec.id, &entries).map_err(|e| KvError::Corrupt {
+            key: format!("ledger of {}", rec.id),
+            reason: e.to_string(),
+        })
+    }
+
+    /// The stored ledger entries of a group, decoded, in enactment order.
+    ///
+    /// # Errors
+    /// The store's error; an undecodable entry is `Corrupt`.
+    pub(crate) fn ledger_entries(&self, group: GroupId) -> Result<Vec<Entry>, KvError> {
+        self.shared
+            .records
+            .ledger(&group)?
+            .iter()
+            .map(|b| {
+                Entry::decode(b).map_err(|e| KvError::Corrupt {
+                    key: format!("ledger entry of {group}"),
+                    reason: e.to_string(),
+                })
+            })
+            .collect()
+    }
+
+    pub(crate) async fn pull_inner(
+        &self,
+        group: GroupId,
+        from_lane: bool,
+    ) -> Result<Pulled, PullError> {
+        if self.shared.faults.no_pull.load(Ordering::Relaxed) {
+            return Ok(Pulled::CaughtUp);
+        }
+        if !from_lane && !self.lane_busy(group) && self.shared.records.journal(&group)?.is_some() {
+            // Step 0 is the lane's: a journal an earlier run left is
+            // settled (adopted, or replayed and judged) before anything else.
+            return match Box::pin(self.run_lane(group, None)).await {
+                Ok(_) => Ok(Pulled::CaughtUp),
+                Err(CommitError::RecoveryRequired(_)) => Ok(Pulled::Stranded),
+                Err(CommitError::UnknownGroup(g)) => Err(PullError::UnknownGroup(g)),
+                Err(e) => Err(PullError::Commit(e)),
+            };
+        }
+        loop {
+            let seen = self.record(group)?;
+            if seen.stranded {
+                return Ok(Pulled::Stranded);
+            }
+            let hub = seen.commit_hub.clone();
+            let cursor = seen.cursor();
+            let link = self.hub_link(&hub);
+            let topic = topics::commit_topic(&seen.topic_seed);
+            let f = link
+                .fetch(&topic, cursor, PAGE)
+                .await
+                .map_err(|source| PullError::Hub {
+                    url: hub.clone(),
+                    source,
+                })?;
+            if f.head.unwrap_or(0) < cursor {
+                // The hub holds less than we already read: it lost or
+                // restored its store. Never compare-and-set against it;
+                // read it again from the start.
+                self.rewound(group, &hub).await?;
+                continue;
+            }
+            if f.gap {
+                let mut guard = self.shared.registry.lock(group).await;
+                let mut rec = self.record(group)?;
+                if rec.commit_hub == hub && rec.cursor() == cursor {
+                    self.strand(&mut guard, &mut rec)?;
+                }
+                return Ok(Pulled::Stranded);
+            }
+            if f.messages.is_empty() {
+                return Ok(Pulled::CaughtUp);
+            }
+            // Read the current epoch's messages before moving on: an epoch
+            // left far behind can no longer be decrypted.
+            if let Some(app) = seen.app_topics.first() {
+                if let Err(e) = self.catch_up_app(group, &hub, &link, app).await {
+                    tracing::debug!(%group, error = %e, "app catch-up before commits failed");
+                }
+            }
+            let mut guard = self.shared.registry.lock(group).await;
+            let mut rec = self.record(group)?;
+            if rec.commit_hub != hub || rec.cursor() != cursor {
+                continue;
+            }
+            for m in &f.messages {
+                match self.apply_frame(&mut guard, &mut rec, &hub, m).await? {
+                    Applied::Next => {}
+                    Applied::HubChanged => break,
+                    Applied::Stranded => return Ok(Pulled::Stranded),
+                    Applied::Removed => return Ok(Pulled::Removed),
+                }
+            }
+        }
+    }
+
+    /// Mark the group stranded (once) and say so.
+    fn strand(&self, guard: &mut GroupGuard, rec: &mut GroupRecord) -> Result<(), PullError> {
+        if !rec.stranded {
+            rec.stranded = true;
+            self.save_record(guard, rec)?;
+            self.emit(Event::Stranded { group: rec.id });
+        }
+        Ok(())
+    }
+
+    /// `hub` holds less than this device read from it: it rewound.
+    async fn rewound(&self, group: GroupId, hub: &str) -> Result<(), PullError> {
+        let mut guard = self.shared.registry.lock(group).await;
+        let mut rec = self.record(group)?;
+        rec.rewind(hub);
+        let mut b = WriteBatch::new();
+        self.shared.records.reset_app_cursors(&mut b, &group, hub)?;
+        self.shared.records.put_group(&mut b, &rec);
+        guard.finish(b)?;
+        tracing::warn!(%group, hub, "hub rewound: reading it again from the start");
+        self.emit(Event::HubRewound {
+            url: hub.to_string(),
+        });
+        Ok(())
+    }
+
+    /// Judge and apply one frame, with the group lock held.
+    async fn apply_frame(
+        &self,
+        guard: &mut GroupGuard,
+        rec: &mut GroupRecord,
+        hub: &str,
+        m: &LogFrame,
+    ) -> Result<Applied, PullError> {
+        let journal = self.shared.records.journal(&rec.id)?;
+        let ours = guard.read(|g| g.epoch().as_u64())?;
+        let members = self.member_set(guard)?;
+        let frame = CommitFrame::parse(&m.payload);
+        let pm = frame.as_ref().and_then(|f| {
+            MlsMessageIn::tls_deserialize_exact(f.mls)
+                .ok()
+                .and_then(|msg| msg.try_into_protocol_message().ok())
+        });
+        let d = digest(&m.payload);
+        let epoch = pm.as_ref().map(|p| p.epoch().as_u64());
+        let facts = Facts {
+            epoch,
+            other_group: pm
+                .as_ref()
+                .is_some_and(|p| p.group_id().as_slice() != rec.id.0),
+            publisher_is_member: members.contains(&m.sender),
+            publisher_is_me: m.sender == self.shared.identity.id(),
+            is_journalled: journal.as_ref().is_some_and(|j| j.payload == m.payload),
+            merged_here: epoch.and_then(|e| {
+                rec.merged
+                    .iter()
+                    .find(|k| k.epoch == e)
+                    .map(|k| MergedThere {
+                        same_commit: k.digest == d,
+                        frame_is_earlier: k.hub == hub && k.seq.is_some_and(|s| m.seq < s),
+                    })
+            }),
+        };
+        match classify(&facts, ours) {
+            Verdict::Adopt => {
+                let Some(j) = journal else {
+                    return Ok(Applied::Next);
+                };
+                let before = rec.commit_hub.clone();
+                self.adopt_locked(guard, rec, &j, m.seq)?;
+                Ok(self.after_apply(rec, &before))
+            }
+            Verdict::Skip(reason) => {
+                self.skip(guard, rec, hub, m.seq, reason)?;
+                Ok(Applied::Next)
+            }
+            Verdict::ForkLost | Verdict::Ahead | Verdict::OwnUnmerged => {
+                tracing::warn!(group = %rec.id, seq = m.seq, verdict = ?classify(&facts, ours), "stranded");
+                self.strand(guard, rec)?;
+                Ok(Applied::Stranded)
+            }
+            Verdict::Process => {
+                let Some(pm) = pm else {
+                    return Ok(Applied::Next);
+                };
+                let sealed = frame.map(|f| f.sealed.to_vec()).unwrap_or_default();
+                self.process_commit(guard, rec, hub, m, pm, &sealed, journal)
+                    .await
+            }
+        }
+    }
+
+    /// Move past a frame without applying it, and say why.
+    fn skip(
+        &self,
+        guard: &mut GroupGuard,
+        rec: &mut GroupRecord,
+        hub: &str,
+        seq: u64,
+        reason: SkipReason,
+    ) -> Result<(), PullError> {
+        guard.discard();
+        rec.advance(hub, seq);
+        if reason != SkipReason::History {
+            rec.poison += 1;
+            self.shared.counters.poison.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(group = %rec.id, seq, %reason, "commit-topic frame skipped");
+        }
+        self.save_record(guard, rec)?;
+        self.emit(Event::FrameSkipped {
+            group: rec.id,
+            hub: hub.to_string(),
+            seq,
+            reason,
+        });
+        Ok(())
+    }
+
+    fn after_apply(&self, rec: &GroupRecord, before: &str) -> Applied {
+        if rec.commit_hub != before {
+            Applied::HubChanged
+        } else {
+            Applied::Next
+        }
+    }
+
+    /// A member's commit at our epoch: let MLS and the ledger judge it,
+    /// then merge it.
+    #[allow(clippy::too_many_arguments)]
+    async fn process_commit(
+        &self,
+        guard: &mut GroupGuard,
+        rec: &mut GroupRecord,
+        hub: &str,
+        m: &LogFrame,
+        pm: ProtocolMessage,
+        sealed: &[u8],
+        journal: Option<JournalEntry>,
+    ) -> Result<Applied, PullError> {
+        let epoch = pm.epoch().as_u64();
+        let processed = guard.with(|g, p| g.process_message(p, pm))?;
+        let processed = match processed {
+            Ok(p) => p,
+            Err(ProcessMessageError::StorageError(e)) => {
+                guard.discard();
+                return Err(PullError::Store(RegistryError::Store(e.to_string())));
+            }
+            Err(ProcessMessageError::LibraryError(e)) => {
+                guard.discard();
+                return Err(PullError::Store(RegistryError::Store(e.to_string())));
+            }
+            Err(e) => {
+                self.skip(guard, rec, hub, m.seq, SkipReason::Refused(e.to_string()))?;
+                return Ok(Applied::Next);
+            }
+        };
+        let aad = processed.aad().to_vec();
+        let ProcessedMessageContent::StagedCommitMessage(staged) = processed.into_content() else {
+            self.skip(
+                guard,
+                rec,
+                hub,
+                m.seq,
+                SkipReason::Refused("not a commit".into()),
+            )?;
+            return Ok(Applied::Next);
+        };
+        let entries = match self.check_ledger(guard, rec, &staged, &aad, sealed) {
+            Ok(e) => e,
+            Err(reason) => {
+                self.skip(guard, rec, hub, m.seq, SkipReason::LedgerRefused(reason))?;
+                return Ok(Applied::Next);
+            }
+        };
+        let roster =
+            staged.add_proposals().next().is_some() || staged.remove_proposals().next().is_some();
+        if staged.self_removed() {
+            self.leave(guard, rec.id).await?;
+            return Ok(Applied::Removed);
+        }
+        let before = guard.read(|g| g.epoch_authenticator().as_slice().to_vec())?;
+        match guard.with(|g, p| g.merge_staged_commit(p, *staged))? {
+            Ok(()) => {}
+            Err(e) => {
+                guard.discard();
+                return Err(PullError::Store(RegistryError::Store(e.to_string())));
+            }
+        }
+        let after = guard.read(|g| g.epoch_authenticator().as_slice().to_vec())?;
+        if after == before {
+            guard.discard();
+            return Err(RegistryError::MergeDidNotAdvance(rec.id).into());
+        }
+        let mut b = WriteBatch::new();
+        if let Some(j) = journal {
+            // Another commit won our epoch; merging it dropped our pending
+            // commit, and the journal goes in the same batch. A lane run in
+            // flight learns it from the hub's answer; an earlier run's
+            // commit is reported here.
+            self.shared.records.clear_journal(&mut b, &rec.id);
+            if !self.lane_busy(rec.id) {
+                self.report_lost(rec.id, &j);
+            }
+        }
+        let before_hub = rec.commit_hub.clone();
+        self.land_merged(
+            guard,
+            rec,
+            Landing {
+                epoch,
+                hub,
+                seq: m.seq,
+                digest: digest(&m.payload),
+                entries: entries.iter().map(Entry::encode).collect(),
+                roster,
+            },
+            b,
+        )?;
+        Ok(self.after_apply(rec, &before_hub))
+    }
+
+    /// Check what a staged commit does to the ledger: the ids its
+    /// authenticated data names, the sealed bodies beside it, each entry's
+    /// authority against the ledger before it, the head it installs, and
+    /// that every member it adds or removes has its entry. Answers the
+    /// entries, or why the commit is refused.
+    fn check_ledger(
+        &self,
+        guard: &mut GroupGuard,
+        rec: &GroupRecord,
+        staged: &StagedCommit,
+        aad: &[u8],
+        sealed: &[u8],
+    ) -> Result<Vec<Entry>, String> {
+        let ids = parse_enacted_aad(aad).ok_or("authenticated data is not a ledger id list")?;
+        let current = guard
+            .read(|g| GroupExt::from_extensions(g.extensions()))
+            .map_err(|e| e.to_string())?
+            .map_err(|e| e.to_string())?
+            .ok_or("the group has no hubsync extension")?;
+        let next = GroupExt::from_extensions(staged.group_context().extensions())
+            .map_err(|e| e.to_string())?
+            .ok_or("the commit drops the group's extension")?;
+        if next.topic_seed != current.topic_seed {
+            return Err("the commit changes the topic seed".into());
+        }
+        let entries = if ids.is_empty() {
+            if !sealed.is_empty() {
+                return Err("sealed entries without ids".into());
+            }
+            if next != current {
+                return Err("the ledger head changes without entries".into());
+            }
+            Vec::new()
+        } else {
+            let crypto = self.shared.registry.provider().crypto();
+            let key = guard
+                .with(|g, p| seal_key(g, p))
+                .map_err(|e| e.to_string())??;
+            let plain = ledger::open(crypto, &key, aad, sealed).map_err(|e| e.to_string())?;
+            let entries = ledger::decode_list(&plain).map_err(|e| e.to_string())?;
+            let got: Vec<_> = entries.iter().map(Entry::id).collect();
+            if got != ids {
+                return Err("sealed entries do not match the enacted ids".into());
+            }
+            if rec.ledger_complete {
+                let mut state = self.ledger_state(rec).map_err(|e| e.to_string())?;
+                for e in &entries {
+                    state.apply(e).map_err(|e| e.to_string())?;
+                }
+                if state.head != next.ledger_head {
+                    return Err("the installed head is not the ledger's".into());
+                }
+            }
+            entries
+        };
+        // Every add and remove is enacted by its own entry.
+        let invited: BTreeSet<DeviceId> = entries
+            .iter()
+            .filter(|e| e.kind == EntryType::MemberInvite)
+            .filter_map(Entry::subject_device)
+            .collect();
+        let removed: BTreeSet<DeviceId> = entries
+            .iter()
+            .filter(|e| e.kind == EntryType::MemberRemove)
+            .filter_map(Entry::subject_device)
+            .collect();
+        let mut adds = BTreeSet::new();
+        for a in staged.add_proposals() {
+            let d = device_id_of(a.add_proposal().key_package().leaf_node().credential())
+                .ok_or("an added leaf has no device identity")?;
+            adds.insert(d);
+        }
+        let mut removes = BTreeSet::new();
+        for r in staged.remove_proposals() {
+            let leaf = r.remove_proposal().removed();
+            let d = guard
+                .read(|g| g.member(leaf).and_then(device_id_of))
+                .map_err(|e| e.to_string())?
+                .ok_or("a removed leaf has no device identity")?;
+            removes.insert(d);
+        }
+        if adds != invited {
+            return Err("members added without their member.invite entry (or the reverse)".into());
+        }
+        if removes != removed {
+            return Err(
+                "members removed without their member.remove entry (or the reverse)".into(),
+            );
+        }
+        Ok(entries)
+    }
+
+    /// Merge our own journalled commit, accepted at `seq` on the journal's
+    /// hub: the MLS merge, the ledger entries, the record, the Welcome and
+    /// the journal's end land as one batch.
+    pub(crate) fn adopt_locked(
+        &self,
+        guard: &mut GroupGuard,
+        rec: &mut GroupRecord,
+        j: &JournalEntry,
+        seq: u64,
+    ) -> Result<(), PullError> {
+        guard.merge_pending()?;
+        let mut b = WriteBatch::new();
+        self.shared.records.clear_journal(&mut b, &rec.id);
+        if let Some((joiner, welcome)) = &j.welcome {
+            let mut all = self.ledger_entries(rec.id)?;
+            all.extend(j.entries.iter().filter_map(|e| Entry::decode(e).ok()));
+            self.stage_welcome(guard, &mut b, rec, seq, *joiner, welcome, &all)?;
+        }
+        self.land_merged(
+            guard,
+            rec,
+            Landing {
+                epoch: j.epoch,
+                hub: &j.hub,
+                seq,
+                digest: digest(&j.payload),
+                entries: j.entries.clone(),
+                roster: j.roster,
+            },
+            b,
+        )?;
+        self.shared.outbox.wake();
+        Ok(())
+    }
+
+    /// After a merge (ours or another's): the ledger grows, the record
+    /// follows the ledger (hubs, commit hub), the cursor and the merged
+    /// commit are remembered, all in one batch with the MLS state; then
+    /// the peers follow the group's hubs.
+    fn land_merged(
+        &self,
+        guard: &mut GroupGuard,
+        rec: &mut GroupRecord,
+        l: Landing<'_>,
+        mut b: WriteBatch,
+    ) -> Result<(), PullError> {
+        rec.advance(l.hub, l.seq);
+        rec.remember(MergedCommit {
+            epoch: l.epoch,
+            digest: l.digest,
+            hub: l.hub.to_string(),
+            seq: Some(l.seq),
+        });
+        let ledger_changed = !l.entries.is_empty() && rec.ledger_complete;
+        if ledger_changed {
+            let mut all = self.ledger_entries(rec.id)?;
+            let from = all.len() as u64;
+            self.shared
+                .records
+                .put_ledger(&mut b, &rec.id, from, &l.entries);
+            for e in &l.entries {
+                let e = Entry::decode(e).map_err(|e| KvError::Corrupt {
+                    key: "ledger entry".into(),
+                    reason: e.to_string(),
+                })?;
+                self.shared.hlc.observe(e.ord);
+                all.push(e);
+            }
+            let state = LedgerState::fold(rec.id, &all).map_err(|e| KvError::Corrupt {
+                key: format!("ledger of {}", rec.id),
+                reason: e.to_string(),
+            })?;
+            rec.hubs = state.hubs.clone();
+            rec.commit_hub = select_commit_hub(&state);
+        }
+        self.after_merge(guard, rec, l.roster, b)?;
+        if ledger_changed {
+            self.emit(Event::LedgerChanged { group: rec.id });
+            self.sync_peers(rec);
+        }
+        Ok(())
+    }
+
+    /// Read an app topic from its catch-up cursor through `link` and handle
+    /// every frame. Each page lands as one batch with the new cursor; a
+    /// frame that cannot be handled drops the page's batch whole and stops,
+    /// so the next catch-up reads that page again.
+    pub(crate) async fn catch_up_app(
+        &self,
+        group: GroupId,
+        hub: &str,
+        link: &HubLink,
+        topic: &TopicId,
+    ) -> Result<(), PullError> {
+        loop {
+            let after = self.shared.records.app_cursor(&group, hub, topic)?;
+            let f = link
+                .fetch(topic, after, 200)
+                .await
+                .map_err(|source| PullError::Hub {
+                    url: hub.to_string(),
+                    source,
+                })?;
+            if f.head.unwrap_or(0) < after {
+                let mut b = WriteBatch::new();
+                self.shared
+                    .records
+                    .put_app_cursor(&mut b, &group, hub, topic, 0);
+                self.shared.registry.provider().kv().apply(&b)?;
+                continue;
+            }
+            let done = f.messages.len() < 200;
+            let mut guard = self.shared.registry.lock(group).await;
+            if self.shared.records.app_cursor(&group, hub, topic)? != after {
+                // Another catch-up of the same topic moved on meanwhile.
+                continue;
+            }
+            if self.shared.records.group(&group)?.is_none() {
+                return Err(PullError::UnknownGroup(group));
+            }
+            let mut b = WriteBatch::new();
+            let mut events = Vec::new();
+            let mut last = after;
+            for m in f.messages {
+                match self.receive_locked(&mut guard, group, &m.payload, &mut b) {
+                    Ok(e) => events.extend(e),
+                    Err(e) => {
+                        guard.discard();
+                        return Err(e.into());
+                    }
+                }
+                last = m.seq;
+            }
+            self.shared
+                .records
+                .put_app_cursor(&mut b, &group, hub, topic, last);
+            guard.finish(b)?;
+            drop(guard);
+            self.emit_received(events);
+            if done {
+                return Ok(());
+            }
+        }
+    }
+}
+
+/// One merged commit, as [`GroupPeerManager::land_merged`] records it.
+struct Landing<'a> {
+    epoch: u64,
+    hub: &'a str,
+    seq: u64,
+    digest: [u8; 32],
+    entries: Vec<Vec<u8>>,
+    roster: bool,
+}
