@@ -71,6 +71,10 @@ pub enum HubStartError {
     /// The URL is not `ws://` or `wss://`.
     #[error("hub URL must start with ws:// or wss://, got {0}")]
     Url(String),
+    /// The store's identity could not be read, or a new store's identity
+    /// could not be written and flushed.
+    #[error("hub store identity: {0}")]
+    Store(#[from] crate::kv::KvError),
 }
 
 /// A snapshot of the hub's counters, for operators.
@@ -155,10 +159,15 @@ impl Hub {
     /// flusher and the retention purge start now; connections are served by
     /// [`Hub::serve`].
     ///
+    /// A store that holds no identity yet gets one now, drawn from `rng`
+    /// and flushed before this returns (one blocking flush); a store that
+    /// has one keeps it. Every `AuthOk` carries it ([`Hub::store_id`]).
+    ///
     /// Must be called inside a tokio runtime.
     ///
     /// # Errors
-    /// [`HubStartError`] when the configuration is invalid.
+    /// [`HubStartError`] when the configuration is invalid, or `Store` when
+    /// the store's identity cannot be read or made durable.
     pub fn start(
         store: Arc<dyn KvStore>,
         config: HubConfig,
@@ -169,7 +178,7 @@ impl Hub {
         if !(config.url.starts_with("ws://") || config.url.starts_with("wss://")) {
             return Err(HubStartError::Url(config.url.clone()));
         }
-        let core = HubCore::new(store.clone(), config.limits.clone(), clock.clone());
+        let core = HubCore::open(store.clone(), config.limits.clone(), clock.clone(), &rng)?;
         let flusher = tokio::spawn(core.group_commit().clone().run(store));
         let shared = Arc::new(HubShared {
             core,
@@ -238,6 +247,11 @@ impl Hub {
     /// The protocol core, for tests and tools that drive it directly.
     pub fn core(&self) -> &Arc<HubCore> {
         &self.shared.core
+    }
+
+    /// The identity of the hub's store, as every `AuthOk` announces it.
+    pub fn store_id(&self) -> crate::wire::StoreId {
+        self.shared.core.store_id()
     }
 
     /// The configuration in force.
