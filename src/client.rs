@@ -9,7 +9,7 @@
 use crate::transport::{handshake_url, ws_config, Connector};
 use crate::wire::{
     auth_message, Auth, ClientFrame, Delivery, DeviceId, FetchResult, HubError, Publish,
-    PublishOutcome, Request, Response, ServerFrame, TopicId, MIN_PROTOCOL_VERSION,
+    PublishOutcome, Request, Response, ServerFrame, StoreId, TopicId, MIN_PROTOCOL_VERSION,
     PROTOCOL_VERSION,
 };
 use ed25519_dalek::{Signer, SigningKey};
@@ -123,6 +123,7 @@ struct Inner {
     next_id: AtomicU64,
     pushes: Mutex<Option<mpsc::Receiver<Push>>>,
     max_payload: u64,
+    store_id: StoreId,
     reader: tokio::task::JoinHandle<()>,
 }
 
@@ -304,6 +305,7 @@ impl HubClient {
                 next_id: AtomicU64::new(1),
                 pushes: Mutex::new(Some(push_rx)),
                 max_payload: ok.max_payload,
+                store_id: ok.store_id,
                 reader,
             }),
         })
@@ -322,6 +324,13 @@ impl HubClient {
     /// The hub's payload limit, as it announced it.
     pub fn max_payload(&self) -> u64 {
         self.inner.max_payload
+    }
+
+    /// The identity of the hub's store, as its `AuthOk` announced it. Another
+    /// identity behind the same URL means another store: its delivery ids,
+    /// heads and sequence numbers have nothing to do with this one's.
+    pub fn store_id(&self) -> StoreId {
+        self.inner.store_id
     }
 
     /// Whether the connection is still open.
@@ -470,13 +479,16 @@ impl HubClient {
     }
 
     /// Start this device's receive stream after `after`; deliveries arrive on
-    /// [`HubClient::take_pushes`].
+    /// [`HubClient::take_pushes`]. Answers the highest delivery id the hub
+    /// ever gave this device (0: none): below `after`, the hub's store went
+    /// back in time (restored from an older copy) and nothing between the
+    /// two will come on this stream.
     ///
     /// # Errors
     /// As [`HubClient::request`].
-    pub async fn receive(&self, after: u64) -> Result<(), ClientError> {
+    pub async fn receive(&self, after: u64) -> Result<u64, ClientError> {
         match self.request(Request::Receive { after }).await? {
-            Response::ReceiveStarted => Ok(()),
+            Response::ReceiveStarted { last_id } => Ok(last_id),
             other => Err(unexpected(other)),
         }
     }

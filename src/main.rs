@@ -136,7 +136,13 @@ async fn run_hub(args: HubArgs) -> Result<(), String> {
     hub.serve(listener);
     // Tests and scripts read this line to learn the port.
     println!("hubsync hub listening on {addr} as {url}");
-    tracing::info!(%addr, %url, data = %args.data.display(), "hub started");
+    tracing::info!(
+        %addr,
+        %url,
+        data = %args.data.display(),
+        store_id = %hub.store_id(),
+        "hub started"
+    );
     wait_for_signal().await;
     tracing::info!("shutting down: no new connections, flushing");
     hub.shutdown().await;

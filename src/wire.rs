@@ -11,9 +11,17 @@ use serde::{Deserialize, Serialize};
 use std::fmt;
 
 /// The newest protocol version this build speaks.
-pub const PROTOCOL_VERSION: u16 = 1;
+///
+/// Version 2 added [`AuthOk::store_id`] and the `last_id` of
+/// [`Response::ReceiveStarted`]; both change how those frames encode, so a
+/// build speaks only version 2 and a version 1 peer is told
+/// `UnsupportedVersion` (hub side) or [`ClientError::Version`] (client side)
+/// instead of failing to decode.
+///
+/// [`ClientError::Version`]: crate::client::ClientError::Version
+pub const PROTOCOL_VERSION: u16 = 2;
 /// The oldest protocol version this build still accepts.
-pub const MIN_PROTOCOL_VERSION: u16 = 1;
+pub const MIN_PROTOCOL_VERSION: u16 = 2;
 /// Domain separator of the signed authentication message.
 pub const AUTH_DOMAIN: &[u8] = b"hubsync-auth-v1\0";
 
@@ -46,6 +54,44 @@ impl fmt::Display for DeviceId {
 impl fmt::Debug for DeviceId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "DeviceId({})", &hex::encode(self.0)[..12])
+    }
+}
+
+/// A hub store's identity: 16 random bytes drawn when the store was first
+/// opened, kept in the store, the same on every later start over it.
+///
+/// A device that finds another identity behind the same hub URL is talking
+/// to a store that knows nothing of what it saw before (its delivery ids,
+/// heads and sequence numbers start again). A store restored from an older
+/// copy of its own directory keeps its identity: see `docs/operations.md`.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct StoreId(pub [u8; 16]);
+
+impl StoreId {
+    /// The 16 bytes.
+    pub fn as_bytes(&self) -> &[u8; 16] {
+        &self.0
+    }
+
+    /// Parse 32 hex characters.
+    ///
+    /// # Errors
+    /// `None` when the text is not exactly 16 bytes of hex.
+    pub fn from_hex(s: &str) -> Option<Self> {
+        let bytes = hex::decode(s).ok()?;
+        Some(StoreId(bytes.try_into().ok()?))
+    }
+}
+
+impl fmt::Display for StoreId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&hex::encode(self.0))
+    }
+}
+
+impl fmt::Debug for StoreId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "StoreId({})", hex::encode(self.0))
     }
 }
 
@@ -280,7 +326,12 @@ pub enum Response {
         existed: bool,
     },
     /// Answer to `Receive`: deliveries follow as `Deliver` frames.
-    ReceiveStarted,
+    ReceiveStarted {
+        /// The highest delivery id this hub ever gave the device (0: none).
+        /// It never decreases on a hub that keeps its store, so a device
+        /// whose resume cursor is above it is talking to a rewound store.
+        last_id: u64,
+    },
     /// Answer to `Ack`: how many held deliveries were removed.
     Acked {
         /// Count removed (unknown ids are ignored).
@@ -521,6 +572,8 @@ pub struct AuthOk {
     pub server_time_ms: u64,
     /// The hub's payload limit, so clients can refuse early.
     pub max_payload: u64,
+    /// The identity of the hub's store (since protocol version 2).
+    pub store_id: StoreId,
 }
 
 /// The bytes a device signs to authenticate.
@@ -808,6 +861,44 @@ mod tests {
         }
         .encode();
         assert_eq!(bytes, vec![2, 0, (REQUEST_OPS - 1) as u8]);
+    }
+
+    #[test]
+    fn store_id_shows_as_hex_and_parses_back() {
+        let id = StoreId([0xab; 16]);
+        assert_eq!(id.to_string(), "ab".repeat(16));
+        assert_eq!(format!("{id:?}"), format!("StoreId({})", "ab".repeat(16)));
+        assert_eq!(StoreId::from_hex(&id.to_string()), Some(id));
+        assert_eq!(StoreId::from_hex("abcd"), None);
+    }
+
+    #[test]
+    fn auth_ok_bytes_match_the_protocol_page() {
+        // The worked example of docs/protocol.md, section 4.
+        let ok = ServerFrame::AuthOk(AuthOk {
+            device: DeviceId([0x11; 32]),
+            version: 2,
+            server_time_ms: 1_700_000_000_000,
+            max_payload: 1_048_576,
+            store_id: StoreId([0x5a; 16]),
+        });
+        let mut want = vec![0x02];
+        want.extend([0x11; 32]);
+        want.push(0x02);
+        want.extend([0x80, 0xd0, 0x95, 0xff, 0xbc, 0x31]);
+        want.extend([0x80, 0x80, 0x40]);
+        want.extend([0x5a; 16]);
+        assert_eq!(ok.encode(), want);
+        assert_eq!(want.len(), 59);
+        assert_eq!(ServerFrame::decode(&want, 1 << 20).unwrap(), ok);
+        // A version 1 AuthOk (no store id) does not decode as version 2.
+        assert!(ServerFrame::decode(&want[..want.len() - 16], 1 << 20).is_err());
+
+        let started = ServerFrame::Response {
+            id: 7,
+            result: Ok(Response::ReceiveStarted { last_id: 300 }),
+        };
+        assert_eq!(started.encode(), vec![0x03, 0x07, 0x00, 0x04, 0xac, 0x02]);
     }
 
     proptest! {

@@ -3,15 +3,17 @@
 mod common;
 
 use common::*;
-use hubsync::client::{ClientError, Push};
+use hubsync::client::{ClientError, ClientOptions, HubClient, Push};
 use hubsync::hub::{Limits, Rate};
 use hubsync::testkit::{signing_key, TestHub};
+use hubsync::transport::TcpConnector;
 use hubsync::wire::{
-    ClientFrame, ExpectedHead, HubError, PublishOutcome, Request, RetentionClass, ServerFrame,
-    TopicId,
+    Challenge, ClientFrame, ExpectedHead, HubError, PublishOutcome, Request, RetentionClass,
+    ServerFrame, TopicId, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
 };
 use std::collections::HashSet;
 use std::time::Duration;
+use tokio_tungstenite::tungstenite::Message;
 
 fn unthrottled(c: &mut hubsync::hub::HubConfig) {
     c.limits = Limits::unthrottled();
@@ -871,4 +873,140 @@ async fn an_oversized_publish_is_refused_by_name_not_by_timeout() {
         "answered, not timed out"
     );
     c.ping().await.unwrap();
+}
+
+#[tokio::test]
+async fn store_id_is_kept_across_a_restart_and_new_for_a_new_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let h = TestHub::start_at(dir.path(), "127.0.0.1:0", unthrottled)
+        .await
+        .unwrap();
+    let first = h.hub().store_id();
+    let c = h.client(&signing_key(1)).await.unwrap();
+    assert_eq!(c.store_id(), first, "the client learns it from AuthOk");
+    c.close();
+    h.stop().await;
+
+    let h = TestHub::start_at(dir.path(), "127.0.0.1:0", unthrottled)
+        .await
+        .unwrap();
+    assert_eq!(h.hub().store_id(), first, "read back, not drawn again");
+    let c = h.client(&signing_key(1)).await.unwrap();
+    assert_eq!(c.store_id(), first);
+    c.close();
+    h.stop().await;
+
+    let other = tempfile::tempdir().unwrap();
+    let h = TestHub::start_at(other.path(), "127.0.0.1:0", unthrottled)
+        .await
+        .unwrap();
+    assert_ne!(h.hub().store_id(), first, "a new directory, a new store");
+    let c = h.client(&signing_key(1)).await.unwrap();
+    assert_eq!(c.store_id(), h.hub().store_id());
+    h.stop().await;
+}
+
+#[tokio::test]
+async fn auth_ok_carries_the_store_id_and_the_agreed_version() {
+    let hub = TestHub::start().await.unwrap();
+    let key = signing_key(1);
+    let mut c = RawConn::open(hub.url()).await;
+    assert_eq!(
+        (c.challenge.min_version, c.challenge.max_version),
+        (MIN_PROTOCOL_VERSION, PROTOCOL_VERSION)
+    );
+    let a = c.auth_for(&key);
+    c.send(&ClientFrame::Auth(a)).await;
+    match c.recv().await {
+        Got::Frame(ServerFrame::AuthOk(ok)) => {
+            assert_eq!(ok.store_id, hub.hub().store_id());
+            assert_eq!(ok.version, PROTOCOL_VERSION);
+            assert_eq!(ok.device, device_of(&key));
+        }
+        other => panic!("expected auth ok, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn a_version_1_device_is_refused_by_name() {
+    // Version 1 had no store id in AuthOk: a version 1 device must hear
+    // `UnsupportedVersion`, not get a frame it cannot decode.
+    let hub = TestHub::start().await.unwrap();
+    let mut c = RawConn::open(hub.url()).await;
+    let mut a = c.auth_for(&signing_key(1));
+    a.version = 1;
+    c.send(&ClientFrame::Auth(a)).await;
+    assert!(matches!(
+        c.recv().await,
+        Got::Frame(ServerFrame::Error(HubError::UnsupportedVersion {
+            requested: 1,
+            min: 2,
+            max: 2,
+        }))
+    ));
+}
+
+#[tokio::test]
+async fn a_version_1_hub_is_refused_by_name() {
+    // A hub that speaks only version 1 would send an AuthOk without a store
+    // id; the client refuses before authenticating.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("ws://{}", listener.local_addr().unwrap());
+    let hub_url = url.clone();
+    tokio::spawn(async move {
+        let (tcp, _) = listener.accept().await.unwrap();
+        let mut ws = tokio_tungstenite::accept_async(tcp).await.unwrap();
+        let challenge = ServerFrame::Challenge(Challenge {
+            min_version: 1,
+            max_version: 1,
+            nonce: [7; 32],
+            hub_url,
+            expires_at_ms: u64::MAX,
+        });
+        use futures::SinkExt;
+        ws.send(Message::Binary(challenge.encode().into()))
+            .await
+            .unwrap();
+        // Hold the connection until the client gives up.
+        use futures::StreamExt;
+        while let Some(Ok(_)) = ws.next().await {}
+    });
+    let r = HubClient::connect(
+        &TcpConnector,
+        &url,
+        &signing_key(1),
+        ClientOptions::default(),
+    )
+    .await;
+    assert_eq!(
+        r.err(),
+        Some(ClientError::Version {
+            min: 1,
+            max: 1,
+            ours: PROTOCOL_VERSION
+        })
+    );
+}
+
+#[tokio::test]
+async fn receive_answers_the_last_delivery_id_given_to_the_device() {
+    let hub = TestHub::start_with(unthrottled).await.unwrap();
+    let publisher = hub.client(&signing_key(1)).await.unwrap();
+    let key = signing_key(2);
+    let sub = hub.client(&key).await.unwrap();
+    assert_eq!(sub.receive(0).await.unwrap(), 0, "nothing given yet");
+    sub.subscribe(&TopicId::from("r"), None).await.unwrap();
+    for i in 1..=3 {
+        publisher.publish(mailbox("r", i, b"x")).await.unwrap();
+    }
+    let again = hub.client(&key).await.unwrap();
+    assert_eq!(again.receive(0).await.unwrap(), 3);
+    // Acks remove deliveries, not the count: the answer never goes down.
+    again.ack(vec![1, 2, 3]).await.unwrap();
+    let third = hub.client(&key).await.unwrap();
+    assert_eq!(
+        third.receive(10).await.unwrap(),
+        3,
+        "a cursor above it shows a store that went back in time"
+    );
 }

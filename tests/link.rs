@@ -13,7 +13,9 @@ use hubsync::kv::{KvStore, MemKv};
 use hubsync::rng::SharedRng;
 use hubsync::testkit::{signing_key, TestHub};
 use hubsync::transport::TcpConnector;
-use hubsync::wire::{Delivery, ExpectedHead, HubError, PublishOutcome, TopicId, PROTOCOL_VERSION};
+use hubsync::wire::{
+    Delivery, ExpectedHead, HubError, PublishOutcome, StoreId, TopicId, PROTOCOL_VERSION,
+};
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -714,6 +716,202 @@ async fn deliveries_beyond_the_buffer_come_back_by_a_resync() {
     assert!(
         seen.iter().any(|s| matches!(s, LinkStatus::Reconnecting { last_error, .. } if last_error.contains("resynchronising"))),
         "{seen:?}"
+    );
+    l.stop().await;
+}
+
+/// Wait until the link's store identity satisfies `pred`.
+async fn store_id_until(
+    link: &HubLink,
+    pred: impl Fn(&Option<StoreId>) -> bool,
+) -> Option<StoreId> {
+    let mut rx = link.store_id();
+    let id = *tokio::time::timeout(WAIT, rx.wait_for(|id| pred(id)))
+        .await
+        .expect("store id in time")
+        .expect("store id channel open");
+    id
+}
+
+/// Receive until the delivery with `payload`, acking everything on the way
+/// (earlier unacked deliveries may come again first).
+async fn recv_until(l: &HubLink, rx: &mut Receiver<Delivery>, payload: &[u8]) -> Delivery {
+    loop {
+        let d = recv(rx).await;
+        l.ack(vec![d.id]).await;
+        if d.payload == payload {
+            return d;
+        }
+    }
+}
+
+/// Publish `payloads` on mailbox topic `t` as device 9, receive and ack them
+/// all on `l`; answers the highest delivery id.
+async fn deliver_and_ack(
+    url: &str,
+    l: &HubLink,
+    rx: &mut Receiver<Delivery>,
+    first_pid: u64,
+    payloads: &[&[u8]],
+) -> u64 {
+    let publisher = hubsync::client::HubClient::connect(
+        &TcpConnector,
+        url,
+        &signing_key(9),
+        ClientOptions::default(),
+    )
+    .await
+    .unwrap();
+    for (i, p) in payloads.iter().enumerate() {
+        publisher
+            .publish(mailbox("t", first_pid + i as u64, p))
+            .await
+            .unwrap();
+    }
+    let mut last = 0;
+    for p in payloads {
+        let d = recv(rx).await;
+        assert_eq!(d.payload, p.to_vec());
+        last = d.id;
+    }
+    let ids: Vec<u64> = (1..=last).collect();
+    l.ack(ids).await;
+    publisher.close();
+    last
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let target = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            copy_dir(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), target).unwrap();
+        }
+    }
+}
+
+/// Stop `hub` and wait until its sled directory is free again.
+async fn stop_and_release(hub: TestHub, dir: &Path) {
+    hub.stop().await;
+    let kv = hubsync::testkit::open_sled(dir).await.unwrap();
+    kv.flush().unwrap();
+    drop(kv);
+}
+
+#[tokio::test]
+async fn hub_restart_on_an_empty_store_resets_the_resume_cursor() {
+    // Delivery ids count per store. After five acked deliveries the resume
+    // cursor is 5; a hub that comes back on an empty store gives its first
+    // delivery id 1, which a resume after 5 would skip for good.
+    let first = tempfile::tempdir().unwrap();
+    let hub = hub_at(first.path(), "127.0.0.1:0").await;
+    let addr = hub.addr().to_string();
+    let url = hub.url().to_string();
+    let l = link(&url, 1, fast());
+    let statuses = record(&l);
+    assert_eq!(*l.store_id().borrow(), None, "unknown before a connection");
+    let mut rx = l.subscribe(TopicId::from("t"), None);
+    assert!(l.wait_connected(WAIT).await);
+    l.flush_subscriptions().await.unwrap();
+    let old = store_id_until(&l, |id| id.is_some()).await;
+    assert_eq!(old, Some(hub.hub().store_id()));
+
+    let cursor = deliver_and_ack(&url, &l, &mut rx, 1, &[b"m1", b"m2", b"m3", b"m4", b"m5"]).await;
+    assert_eq!(cursor, 5);
+    hub.stop().await;
+    status_until(&l, |s| matches!(s, LinkStatus::Reconnecting { .. })).await;
+
+    let second = tempfile::tempdir().unwrap();
+    let hub = hub_at(second.path(), &addr).await;
+    let new = store_id_until(&l, |id| *id != old).await;
+    assert_eq!(
+        new,
+        Some(hub.hub().store_id()),
+        "the watch shows the new store"
+    );
+
+    let publisher = hub.client(&signing_key(9)).await.unwrap();
+    publisher.publish(mailbox("t", 6, b"after")).await.unwrap();
+    let d = recv(&mut rx).await;
+    assert_eq!(d.payload, b"after".to_vec());
+    assert!(
+        d.id <= cursor,
+        "id {} is one the old cursor would skip",
+        d.id
+    );
+
+    // The identity told the link before it resumed: no rewind was needed.
+    let seen = statuses.lock().unwrap().clone();
+    assert!(
+        !seen.iter().any(|s| matches!(s, LinkStatus::Reconnecting { last_error, .. } if last_error.contains("rewound"))),
+        "{seen:?}"
+    );
+    l.stop().await;
+}
+
+#[tokio::test]
+async fn hub_restored_from_an_older_copy_is_noticed_as_rewound() {
+    // The same store identity, but delivery ids went back: the hub's answer
+    // to Receive shows it, and the link starts over from 0.
+    let dir = tempfile::tempdir().unwrap();
+    let hub = hub_at(dir.path(), "127.0.0.1:0").await;
+    let addr = hub.addr().to_string();
+    let url = hub.url().to_string();
+    let id = hub.hub().store_id();
+    let l = link(&url, 1, fast());
+    let statuses = record(&l);
+    let mut rx = l.subscribe(TopicId::from("t"), None);
+    assert!(l.wait_connected(WAIT).await);
+    l.flush_subscriptions().await.unwrap();
+    assert_eq!(
+        deliver_and_ack(&url, &l, &mut rx, 1, &[b"m1", b"m2"]).await,
+        2
+    );
+
+    // The operator's backup, taken while the hub is stopped.
+    stop_and_release(hub, dir.path()).await;
+    let backup = tempfile::tempdir().unwrap();
+    copy_dir(dir.path(), backup.path());
+    status_until(&l, |s| matches!(s, LinkStatus::Reconnecting { .. })).await;
+
+    let hub = hub_at(dir.path(), &addr).await;
+    assert!(l.wait_connected(WAIT).await);
+    let cursor = deliver_and_ack(&url, &l, &mut rx, 3, &[b"m3", b"m4", b"m5"]).await;
+    assert_eq!(cursor, 5);
+
+    // Restored from the backup: delivery ids end at 2 again.
+    stop_and_release(hub, dir.path()).await;
+    std::fs::remove_dir_all(dir.path()).unwrap();
+    copy_dir(backup.path(), dir.path());
+    let hub = hub_at(dir.path(), &addr).await;
+    assert_eq!(
+        hub.hub().store_id(),
+        id,
+        "a restored copy keeps its identity"
+    );
+
+    assert!(l.wait_connected(WAIT).await);
+    let publisher = hub.client(&signing_key(9)).await.unwrap();
+    publisher.publish(mailbox("t", 6, b"after")).await.unwrap();
+    let d = recv_until(&l, &mut rx, b"after").await;
+    assert!(
+        d.id <= cursor,
+        "id {} is one the old cursor would skip",
+        d.id
+    );
+
+    let seen = statuses.lock().unwrap().clone();
+    assert!(
+        seen.iter().any(|s| matches!(s, LinkStatus::Reconnecting { last_error, .. } if last_error.contains("hub store rewound"))),
+        "{seen:?}"
+    );
+    assert_eq!(
+        *l.store_id().borrow(),
+        Some(id),
+        "the identity did not change"
     );
     l.stop().await;
 }

@@ -3,19 +3,48 @@
 //! Every group bound to a hub shares that hub's link. The link owns one
 //! [`HubClient`] at a time and replaces it when it drops:
 //!
-//! 1. **Connect.** Authenticate with [`HubClient::connect`].
+//! 1. **Connect.** Authenticate with [`HubClient::connect`], which learns
+//!    the identity of the hub's store (below).
 //! 2. **Re-subscribe** every routed topic (and retry every unsubscribe the hub
 //!    has not confirmed). A hub that rate-limits the burst gets the rest from
 //!    a background worker, paced by the hub's `retry_after_ms`.
 //! 3. **Resume** the receive stream after the resume cursor: the highest
 //!    delivery id below which every delivery this link received was acked
 //!    and the hub confirmed the ack. Unacked deliveries come again; acked
-//!    ones do not.
+//!    ones do not. The hub answers with the highest delivery id it ever
+//!    gave this device; one below the cursor means a rewound store (below).
 //! 4. **Route** pushed deliveries by topic to the receiver that
 //!    [`HubLink::subscribe`] returned, until the connection drops, the hub
 //!    ends the receive stream ([`Push::ReceiveEnded`], for example because a
 //!    newer stream of the same device replaced it), a keepalive ping fails,
 //!    or a resync is due (below). Then back to 1 after a backoff delay.
+//!
+//! # A hub that lost or restored its store
+//! Delivery ids count per store, so the resume cursor means something only
+//! to the store that gave it out. Two checks keep it honest:
+//!
+//! - **Another store.** Every connection learns the hub's store identity
+//!   ([`HubClient::store_id`]). When it differs from the identity of the
+//!   store the cursor counts in (a hub that lost its data directory, or a
+//!   new hub at the same URL), the cursor goes back to 0 before the receive
+//!   stream is resumed, so the new store's first deliveries, whose ids are
+//!   at or below the old cursor, are not skipped. [`HubLink::store_id`]
+//!   publishes the new identity once that connection is up.
+//! - **The same store, gone back in time.** A store restored from an older
+//!   copy of its own directory keeps its identity, but its delivery ids go
+//!   back. When the hub's answer to `Receive` says the highest id it ever
+//!   gave this device is below the cursor, the link resets the cursor to 0,
+//!   drops the connection (the stream it started skips those ids) with an
+//!   error that says `hub store rewound`, and resumes from 0 on the next
+//!   attempt, after the usual backoff. This check cannot see a rewound
+//!   store whose ids have already climbed past the cursor again (it gave
+//!   out more deliveries before this link came back): those in between are
+//!   skipped. Heads of logs go back too; the link does not look at them,
+//!   the device must compare them against its own.
+//!
+//! Nothing of this is persisted: a new link starts with cursor 0 and no
+//! identity, and [`HubLink::store_id`] is `None` until its first
+//! connection is up.
 //!
 //! # Backoff
 //! Delays come from [`ReconnectBackoff`]: the `backoff` crate's exponential
@@ -50,7 +79,9 @@
 use crate::client::{ClientError, ClientOptions, HubClient, Push};
 use crate::rng::SharedRng;
 use crate::transport::Connector;
-use crate::wire::{Delivery, DeviceId, FetchResult, HubError, Publish, PublishOutcome, TopicId};
+use crate::wire::{
+    Delivery, DeviceId, FetchResult, HubError, Publish, PublishOutcome, StoreId, TopicId,
+};
 use backoff::backoff::Backoff as _;
 use ed25519_dalek::SigningKey;
 use futures::future::BoxFuture;
@@ -288,6 +319,8 @@ struct Shared {
     config: LinkConfig,
     rng: SharedRng,
     status: watch::Sender<LinkStatus>,
+    /// The store identity of the last connection that came up.
+    store_id: watch::Sender<Option<StoreId>>,
     conn: watch::Sender<Conn>,
     state: Mutex<State>,
     /// Serialises hub subscribe/unsubscribe requests, so the last desired
@@ -361,6 +394,12 @@ impl AckCursor {
         self.acked.clear();
         self.after
     }
+
+    /// Forget everything: the ids counted so far belong to a store that is
+    /// gone (or went back in time).
+    fn reset(&mut self) {
+        *self = AckCursor::default();
+    }
 }
 
 #[derive(Default)]
@@ -380,6 +419,8 @@ struct State {
     /// Topics whose hub subscription may differ from what is wanted.
     dirty: BTreeSet<TopicId>,
     cursor: AckCursor,
+    /// The identity of the store whose delivery ids `cursor` counts.
+    store: Option<StoreId>,
     stopped: bool,
 }
 
@@ -496,6 +537,18 @@ impl State {
                     .dropped
                     .iter()
                     .any(|t| self.routes.contains_key(t) && !self.pending.contains_key(t)))
+    }
+
+    /// A connection reached the store `id`. When the cursor counted in
+    /// another store, it goes back to 0; answers that previous identity.
+    fn enter_store(&mut self, id: StoreId) -> Option<StoreId> {
+        match self.store.replace(id) {
+            Some(old) if old != id => {
+                self.cursor.reset();
+                Some(old)
+            }
+            _ => None,
+        }
     }
 
     /// Forget per-connection state before a new stream; answers the resume
@@ -664,16 +717,38 @@ impl Shared {
             let pushes = client
                 .take_pushes()
                 .ok_or_else(|| "push channel already taken".to_string())?;
-            let after = lock(&self.state).reset_for_connect();
+            let store_id = client.store_id();
+            let after = {
+                let mut st = lock(&self.state);
+                if let Some(old) = st.enter_store(store_id) {
+                    tracing::warn!(
+                        %old,
+                        new = %store_id,
+                        "hub store identity changed; receiving from the start"
+                    );
+                }
+                st.reset_for_connect()
+            };
             match self.sync_topics(&client, Pace::Defer).await {
                 Ok(()) | Err(ClientError::Hub(_)) => {}
                 Err(e) => return Err(format!("re-subscribing failed: {e}")),
             }
-            client
+            let last_id = client
                 .receive(after)
                 .await
                 .map_err(|e| format!("resuming the receive stream failed: {e}"))?;
-            tracing::debug!(after, "receive stream resumed");
+            if last_id < after {
+                // The stream just started skips the ids up to `after` that
+                // this store will give out again: start over on a new one.
+                lock(&self.state).cursor.reset();
+                let e = format!(
+                    "hub store rewound: {store_id} gave this device delivery ids up to \
+                     {last_id}, below the resume cursor {after}; receiving from the start"
+                );
+                tracing::warn!(%store_id, last_id, after, "{e}");
+                return Err(e);
+            }
+            tracing::debug!(after, last_id, "receive stream resumed");
             Ok(pushes)
         }
         .await;
@@ -797,6 +872,12 @@ async fn run(shared: Arc<Shared>) {
                 continue;
             }
         };
+        let store_id = Some(client.store_id());
+        shared.store_id.send_if_modified(|cur| {
+            let changed = *cur != store_id;
+            *cur = store_id;
+            changed
+        });
         shared.conn.send_replace(Conn::Up(client.clone()));
         shared.set_status(LinkStatus::Connected);
         shared.sub_wake.notify_one();
@@ -972,6 +1053,7 @@ impl HubLink {
     ) -> HubLink {
         let url = url.trim_end_matches('/').to_string();
         let (status, _) = watch::channel(LinkStatus::Connecting);
+        let (store_id, _) = watch::channel(None);
         let (conn, _) = watch::channel(Conn::Down);
         let shared = Arc::new(Shared {
             url: url.clone(),
@@ -980,6 +1062,7 @@ impl HubLink {
             config,
             rng,
             status,
+            store_id,
             conn,
             state: Mutex::new(State::default()),
             sub_lock: tokio::sync::Mutex::new(()),
@@ -1014,6 +1097,19 @@ impl HubLink {
     /// value ever published.
     pub fn status(&self) -> watch::Receiver<LinkStatus> {
         self.shared().status.subscribe()
+    }
+
+    /// The identity of the hub's store as of the last connection that came
+    /// up (authenticated, re-subscribed, receive stream resumed); `None`
+    /// before the first. A new value means the hub behind this URL now
+    /// serves another store: the link has already started receiving from
+    /// the beginning of it (see the module doc), and whatever the device
+    /// knows of that hub's heads and sequence numbers is stale.
+    ///
+    /// A hub restored from an older copy of its own store keeps its
+    /// identity, so this does not change for it; compare heads as well.
+    pub fn store_id(&self) -> watch::Receiver<Option<StoreId>> {
+        self.shared().store_id.subscribe()
     }
 
     /// Whether a connection is up right now (a request made now is sent at
@@ -1335,6 +1431,24 @@ mod tests {
         assert_eq!(c.restart(), 5);
         c.confirmed(&[6]);
         assert_eq!(c.after, 5, "6 must be received again before it counts");
+    }
+
+    #[test]
+    fn another_store_resets_the_cursor_the_same_one_does_not() {
+        let (a, b) = (StoreId([1; 16]), StoreId([2; 16]));
+        let mut st = State::default();
+        assert_eq!(st.enter_store(a), None, "the first store resets nothing");
+        for id in [1, 2, 3] {
+            st.cursor.received(id);
+        }
+        st.cursor.confirmed(&[1, 2, 3]);
+        assert_eq!(st.enter_store(a), None);
+        assert_eq!(st.reset_for_connect(), 3, "same store: resume after 3");
+        st.cursor.received(4);
+        assert_eq!(st.enter_store(b), Some(a));
+        assert_eq!(st.reset_for_connect(), 0, "another store: from the start");
+        st.cursor.confirmed(&[4]);
+        assert_eq!(st.cursor.after, 0, "an id of the old store never counts");
     }
 
     fn delivery(id: u64, topic: &str) -> Delivery {

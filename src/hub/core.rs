@@ -6,6 +6,11 @@
 //! batch's generation; the caller answers only once [`HubCore::durable`] says
 //! that generation is flushed. Reads only ever return what is durable, so no
 //! device can act on a frame a crash could still take back.
+//!
+//! Opening a core reads the store's identity ([`StoreId`]), or, in a store
+//! that has none, draws one from the hub's rng and flushes it before the
+//! core serves anything, so every answer the hub gives is tied to an
+//! identity that a crash cannot take back.
 
 use super::flush::GroupCommit;
 use super::layout::{self as l, DeliveryRef, DeviceMeta, ExpiryKind, KeyPackageMeta};
@@ -13,9 +18,10 @@ use super::layout::{PublishRecord, StoredFrame, Subscription, TopicMeta};
 use super::limits::{Limits, RateLimiter};
 use crate::clock::Clock;
 use crate::kv::{KvError, KvStore, WriteBatch};
+use crate::rng::SharedRng;
 use crate::wire::{
     Delivery, DeviceId, ExpectedHead, FetchResult, HubError, LogFrame, Publish, PublishOutcome,
-    RetentionClass, TopicId,
+    RetentionClass, StoreId, TopicId,
 };
 use sha2::{Digest, Sha256};
 use std::collections::HashMap;
@@ -79,6 +85,7 @@ pub(crate) struct Counters {
 /// retention.
 pub struct HubCore {
     store: Arc<dyn KvStore>,
+    store_id: StoreId,
     limits: Limits,
     clock: Clock,
     writer: Mutex<()>,
@@ -104,18 +111,61 @@ fn content_digest(class: RetentionClass, payload: &[u8]) -> [u8; 32] {
     h.finalize().into()
 }
 
+/// The identity of `store`: the one it holds, or a new one drawn from `rng`,
+/// written and flushed before this returns.
+///
+/// # Errors
+/// The store's error when it cannot be read, written or flushed, and
+/// [`KvError::Corrupt`] when the stored value is not 16 bytes.
+fn load_or_create_store_id(store: &dyn KvStore, rng: &SharedRng) -> Result<StoreId, KvError> {
+    let key = l::store_id();
+    if let Some(bytes) = store.get(&key)? {
+        let id: [u8; 16] = bytes.as_slice().try_into().map_err(|_| KvError::Corrupt {
+            key: hex::encode(&key),
+            reason: format!("a store identity is 16 bytes, found {}", bytes.len()),
+        })?;
+        return Ok(StoreId(id));
+    }
+    let mut id = [0u8; 16];
+    rng.fill(&mut id);
+    let mut batch = WriteBatch::new();
+    batch.put(key, id.to_vec());
+    store.apply(&batch)?;
+    store.flush()?;
+    tracing::info!(store_id = %StoreId(id), "new hub store: identity created");
+    Ok(StoreId(id))
+}
+
 impl HubCore {
-    /// A core over `store` (which may already hold a hub's state).
-    pub(crate) fn new(store: Arc<dyn KvStore>, limits: Limits, clock: Clock) -> Arc<Self> {
-        Arc::new(Self {
+    /// A core over `store` (which may already hold a hub's state). Reads the
+    /// store's identity, or creates one from `rng` and flushes it (a
+    /// blocking flush, once, in a store that has none).
+    ///
+    /// # Errors
+    /// The store's error when the identity cannot be read or made durable.
+    pub(crate) fn open(
+        store: Arc<dyn KvStore>,
+        limits: Limits,
+        clock: Clock,
+        rng: &SharedRng,
+    ) -> Result<Arc<Self>, KvError> {
+        let store_id = load_or_create_store_id(&*store, rng)?;
+        Ok(Arc::new(Self {
             rate: RateLimiter::new(&limits),
             store,
+            store_id,
             limits,
             clock,
             writer: Mutex::new(()),
             commit: GroupCommit::new(),
             counters: Counters::default(),
-        })
+        }))
+    }
+
+    /// The identity of this core's store: the same for every core opened
+    /// over the same store (or a copy of it), different for another store.
+    pub fn store_id(&self) -> StoreId {
+        self.store_id
     }
 
     pub(crate) fn group_commit(&self) -> &Arc<GroupCommit> {
@@ -550,6 +600,18 @@ impl HubCore {
         batch.put(dkey, l::encode(&dmeta));
         let gen = self.apply(&batch)?;
         Ok(Durable { value: true, gen })
+    }
+
+    /// The highest delivery id ever given to `device` (0: none yet), as
+    /// `Receive` answers it. It never decreases while the store is kept;
+    /// it may name deliveries that are not durable yet.
+    ///
+    /// # Errors
+    /// `Internal`.
+    pub fn last_delivery_id(&self, device: DeviceId) -> Result<u64, HubError> {
+        let _g = self.lock();
+        let m: DeviceMeta = self.read(&l::device_meta(&device))?.unwrap_or_default();
+        Ok(m.last_delivery)
     }
 
     /// Up to `limit` durable deliveries of `device` with ids above `after`.

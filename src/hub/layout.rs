@@ -20,6 +20,7 @@ const DELIVERY: u8 = b'd';
 const KEY_PACKAGE_META: u8 = b'K';
 const KEY_PACKAGE: u8 = b'k';
 const EXPIRY: u8 = b'E';
+const STORE_ID: u8 = b'I';
 
 /// The kind of record an expiry-index entry points at.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -51,6 +52,13 @@ fn topic_part(out: &mut Vec<u8>, topic: &TopicId) {
 
 fn key(tag: u8) -> Vec<u8> {
     vec![tag]
+}
+
+/// The store's identity: one key, the bare tag; its value is the 16 raw
+/// bytes of the [`StoreId`](crate::wire::StoreId) (not postcard). Written
+/// once, when a store without one is first opened, and never changed.
+pub(crate) fn store_id() -> Vec<u8> {
+    key(STORE_ID)
 }
 
 pub(crate) fn topic_meta(topic: &TopicId) -> Vec<u8> {

@@ -72,6 +72,10 @@ pub enum HubStartError {
     /// `loopback://`.
     #[error("hub URL must start with ws://, wss:// or loopback://, got {0}")]
     Url(String),
+    /// The store's identity could not be read, or a new store's identity
+    /// could not be written and flushed.
+    #[error("hub store identity: {0}")]
+    Store(#[from] crate::kv::KvError),
 }
 
 /// A snapshot of the hub's counters, for operators.
@@ -156,10 +160,15 @@ impl Hub {
     /// flusher and the retention purge start now; connections are served by
     /// [`Hub::serve`].
     ///
+    /// A store that holds no identity yet gets one now, drawn from `rng`
+    /// and flushed before this returns (one blocking flush); a store that
+    /// has one keeps it. Every `AuthOk` carries it ([`Hub::store_id`]).
+    ///
     /// Must be called inside a tokio runtime.
     ///
     /// # Errors
-    /// [`HubStartError`] when the configuration is invalid.
+    /// [`HubStartError`] when the configuration is invalid, or `Store` when
+    /// the store's identity cannot be read or made durable.
     pub fn start(
         store: Arc<dyn KvStore>,
         config: HubConfig,
@@ -173,7 +182,7 @@ impl Hub {
         if !scheme_ok {
             return Err(HubStartError::Url(config.url.clone()));
         }
-        let core = HubCore::new(store.clone(), config.limits.clone(), clock.clone());
+        let core = HubCore::open(store.clone(), config.limits.clone(), clock.clone(), &rng)?;
         let flusher = tokio::spawn(core.group_commit().clone().run(store));
         let shared = Arc::new(HubShared {
             core,
@@ -242,6 +251,11 @@ impl Hub {
     /// The protocol core, for tests and tools that drive it directly.
     pub fn core(&self) -> &Arc<HubCore> {
         &self.shared.core
+    }
+
+    /// The identity of the hub's store, as every `AuthOk` announces it.
+    pub fn store_id(&self) -> crate::wire::StoreId {
+        self.shared.core.store_id()
     }
 
     /// The configuration in force.

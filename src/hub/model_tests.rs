@@ -163,7 +163,9 @@ fn new_core(kv: &MemKv, origin: u64) -> (Arc<HubCore>, tokio::task::JoinHandle<(
         max_log_depth: DEPTH,
         ..Limits::unthrottled()
     };
-    let core = HubCore::new(Arc::new(kv.clone()), limits, Clock::tokio(origin));
+    let rng = crate::rng::SharedRng::seeded(origin);
+    let core = HubCore::open(Arc::new(kv.clone()), limits, Clock::tokio(origin), &rng)
+        .expect("a MemKv store opens");
     let flusher = tokio::spawn(core.group_commit().clone().run(core.store().clone()));
     (core, flusher)
 }
@@ -178,6 +180,7 @@ fn run(ops: Vec<Op>) {
         let kv = MemKv::new();
         let origin = 1_000_000;
         let (mut core, mut flusher) = new_core(&kv, origin);
+        let store_id = core.store_id();
         let mut clock_offset = 0u64; // ms advanced since the core's origin
         let mut model = Model::default();
         let mut durable = model.clone();
@@ -272,6 +275,8 @@ fn run(ops: Vec<Op>) {
                     kv.crash();
                     // The restarted hub's clock carries on where it was.
                     (core, flusher) = new_core(&kv, origin + clock_offset);
+                    // Read back, not drawn again from the (other) seed.
+                    assert_eq!(core.store_id(), store_id, "a crash keeps the identity");
                     tokio::time::advance(Duration::ZERO).await;
                     model = durable.clone();
                 }

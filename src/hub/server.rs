@@ -219,6 +219,7 @@ async fn authenticate(
                             version,
                             server_time_ms: shared.clock.now_ms(),
                             max_payload: shared.config.limits.max_payload as u64,
+                            store_id: shared.core.store_id(),
                         };
                         tx.send(binary(&ServerFrame::AuthOk(ok))).await.ok()?;
                         return Some(auth.device);
@@ -458,6 +459,10 @@ impl Conn {
 
     /// Replace this device's receive stream with one on this connection.
     async fn start_receive(&self, id: u64, after: u64) {
+        let last_id = match self.shared.core.last_delivery_id(self.device) {
+            Ok(last) => last,
+            Err(e) => return self.respond(id, Err(e)).await,
+        };
         let wake = Arc::new(Notify::new());
         let cancel = self.shared.shutdown.child_token();
         let old = {
@@ -480,7 +485,8 @@ impl Conn {
         }
         // The answer is queued before the pump starts, so it precedes every
         // delivery on the socket.
-        self.respond(id, Ok(Response::ReceiveStarted)).await;
+        self.respond(id, Ok(Response::ReceiveStarted { last_id }))
+            .await;
         let shared = self.shared.clone();
         let tx = self.tx.clone();
         let device = self.device;
