@@ -454,6 +454,24 @@ impl GroupPeerManager {
         });
         let me = self.clone();
         let stop = self.shared.shutdown.clone();
+        let mut store_id = link.store_id();
+        let url = link.url().to_string();
+        self.shared.tasks.spawn(async move {
+            loop {
+                let id = *store_id.borrow_and_update();
+                if let Some(id) = id {
+                    if let Err(e) = me.note_store_id(&url, id).await {
+                        tracing::warn!(hub = %url, error = %e, "could not record the hub's store identity");
+                    }
+                }
+                tokio::select! {
+                    _ = stop.cancelled() => break,
+                    r = store_id.changed() => if r.is_err() { break },
+                }
+            }
+        });
+        let me = self.clone();
+        let stop = self.shared.shutdown.clone();
         let topic = topics::welcome_topic(&self.shared.identity.id());
         let mut rx = link.subscribe(topic, None);
         self.shared.tasks.spawn(async move {
@@ -477,6 +495,47 @@ impl GroupPeerManager {
                 }
             }
         });
+    }
+
+    /// A connection to `url` reported the hub's store identity. A new
+    /// identity where another was known means the hub lost its store: every
+    /// group read there is read again from the start (and never
+    /// compared-and-set against what the new store holds below our cursor).
+    async fn note_store_id(&self, url: &str, id: crate::wire::StoreId) -> Result<(), DeviceError> {
+        let known = self.shared.records.hub_store_id(url)?;
+        if known == Some(id) {
+            return Ok(());
+        }
+        if known.is_some() {
+            // Groups name the loopback hub by its sentinel.
+            let names: Vec<&str> = if url == self.shared.loopback_url {
+                vec![url, LOOPBACK_HUB]
+            } else {
+                vec![url]
+            };
+            let mut told = false;
+            for rec in self.shared.records.groups()? {
+                for name in &names {
+                    if rec.cursors.contains_key(*name) || rec.hubs.iter().any(|h| h == name) {
+                        self.rewound(rec.id, name)
+                            .await
+                            .map_err(|e| DeviceError::Store(e.to_string()))?;
+                        told = true;
+                    }
+                }
+            }
+            if !told {
+                self.emit(Event::HubRewound {
+                    url: url.to_string(),
+                });
+            }
+        }
+        let mut b = crate::kv::WriteBatch::new();
+        self.shared.records.put_hub_store_id(&mut b, url, id);
+        let kv = self.shared.registry.provider().kv();
+        kv.apply(&b)?;
+        kv.flush()?;
+        Ok(())
     }
 
     /// Mark a group joined and create a peer for each hub it travels.
@@ -590,6 +649,20 @@ impl GroupPeerManager {
         lock(&self.shared.peers)
             .get(&(group, hub.trim_end_matches('/').to_string()))
             .cloned()
+    }
+
+    /// The peer of the group's canonical commit hub, the one hub its
+    /// commits go through: the hub its ledger names with `hub.commit`; with
+    /// none, the bound hub whose URL sorts first; with no hub bound, the
+    /// loopback peer. Every member computes the same hub (see
+    /// [`select_commit_hub`](super::lane::select_commit_hub)). `None` only
+    /// while the peer is not up yet.
+    ///
+    /// # Errors
+    /// `UnknownGroup`.
+    pub fn select_commit_peer(&self, group: GroupId) -> Result<Option<GroupPeer>, DeviceError> {
+        let rec = self.record(group)?;
+        Ok(self.peer(group, &rec.commit_hub))
     }
 
     /// Hubs this device has links to.

@@ -154,6 +154,7 @@ impl GroupRecord {
 const GROUP: &[u8] = b"eng/group/";
 const LEDGER: &[u8] = b"eng/ledger/";
 const APP_CURSOR: &[u8] = b"eng/appcur/";
+const HUB_STORE: &[u8] = b"eng/hubstore/";
 const JOURNAL: &[u8] = b"eng/journal/";
 const INBOX: &[u8] = b"eng/inbox/";
 const MESSAGE: &[u8] = b"eng/msg/";
@@ -312,6 +313,23 @@ impl Records {
             batch.delete(k);
         }
         Ok(())
+    }
+
+    /// The store identity last seen on `hub`, if any.
+    ///
+    /// # Errors
+    /// The store's error.
+    pub fn hub_store_id(&self, hub: &str) -> Result<Option<crate::wire::StoreId>, KvError> {
+        let mut k = HUB_STORE.to_vec();
+        k.extend_from_slice(hub.as_bytes());
+        read(&*self.kv, &k)
+    }
+
+    /// Stage the store identity seen on `hub`.
+    pub fn put_hub_store_id(&self, batch: &mut WriteBatch, hub: &str, id: crate::wire::StoreId) {
+        let mut k = HUB_STORE.to_vec();
+        k.extend_from_slice(hub.as_bytes());
+        batch.put(k, json(&id));
     }
 
     /// The group's commit in flight, if any.

@@ -266,7 +266,7 @@ impl GroupPeerManager {
     }
 
     /// `hub` holds less than this device read from it: it rewound.
-    async fn rewound(&self, group: GroupId, hub: &str) -> Result<(), PullError> {
+    pub(crate) async fn rewound(&self, group: GroupId, hub: &str) -> Result<(), PullError> {
         let mut guard = self.shared.registry.lock(group).await;
         let mut rec = self.record(group)?;
         rec.rewind(hub);
