@@ -22,6 +22,21 @@ use openmls::prelude::tls_codec::Deserialize as _;
 use openmls::prelude::*;
 use std::collections::BTreeMap;
 
+/// A key package as a hub holds it: bare, or in its standard MLSMessage
+/// form (what other MLS implementations upload).
+fn parse_key_package(bytes: &[u8]) -> Result<KeyPackageIn, String> {
+    if let Ok(kp) = KeyPackageIn::tls_deserialize_exact(bytes) {
+        return Ok(kp);
+    }
+    match MlsMessageIn::tls_deserialize_exact(bytes)
+        .map_err(|e| e.to_string())?
+        .extract()
+    {
+        MlsMessageBodyIn::KeyPackage(kp) => Ok(kp),
+        _ => Err("an MLSMessage that holds no key package".into()),
+    }
+}
+
 /// A group's settings as its ledger holds them.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Settings {
@@ -144,12 +159,10 @@ impl GroupPeerManager {
                 }
             };
             let crypto = self.shared.registry.provider().crypto();
-            let kp = KeyPackageIn::tls_deserialize_exact(&bytes)
-                .map_err(|e| e.to_string())
-                .and_then(|k| {
-                    k.validate(crypto, ProtocolVersion::Mls10)
-                        .map_err(|e| e.to_string())
-                });
+            let kp = parse_key_package(&bytes).and_then(|k| {
+                k.validate(crypto, ProtocolVersion::Mls10)
+                    .map_err(|e| e.to_string())
+            });
             match kp {
                 Ok(kp) => {
                     let leaf = kp.leaf_node();

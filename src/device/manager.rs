@@ -718,7 +718,7 @@ impl GroupPeerManager {
     /// Accept a Welcome envelope addressed to this device: join the group,
     /// record its hubs, and start its peers. A Welcome for a group already
     /// joined is ignored (Welcomes are delivered at least once).
-    async fn accept_welcome(&self, payload: &[u8]) -> Result<(), DeviceError> {
+    pub(super) async fn accept_welcome(&self, payload: &[u8]) -> Result<(), DeviceError> {
         let env = WelcomeEnvelope::open(payload).map_err(|e| DeviceError::Mls(e.to_string()))?;
         let joined = self.join(&env).await?;
         if joined {

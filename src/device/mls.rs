@@ -53,13 +53,21 @@ pub fn create_config(ext: GroupExt) -> Result<MlsGroupCreateConfig, InvalidExten
         .capabilities(capabilities())
         .max_past_epochs(MAX_PAST_EPOCHS)
         .use_ratchet_tree_extension(true)
+        .wire_format_policy(WIRE_FORMAT_POLICY)
         .with_group_context_extensions(group_extensions(ext)?)
         .build())
 }
 
+/// What we send and accept: we always encrypt our own handshake messages,
+/// and accept a member's commit sent as a PublicMessage too, which is what
+/// a standard client may send by default (refusing it would let such a
+/// commit win the compare-and-set and then fork that client off).
+pub const WIRE_FORMAT_POLICY: WireFormatPolicy = MIXED_CIPHERTEXT_WIRE_FORMAT_POLICY;
+
 /// The configuration a group is joined with.
 pub fn join_config() -> MlsGroupJoinConfig {
     MlsGroupJoinConfig::builder()
+        .wire_format_policy(WIRE_FORMAT_POLICY)
         .max_past_epochs(MAX_PAST_EPOCHS)
         .use_ratchet_tree_extension(true)
         .build()

@@ -5,7 +5,7 @@
 use super::error::DeviceError;
 use super::events::Event;
 use super::frames::{digest, AppMessage, WelcomeEnvelope};
-use super::identity::device_id_of;
+use super::identity::{credential_matches_key, device_id_of};
 use super::lane::select_commit_hub;
 use super::ledger::{self, Entry, EntryType, GroupExt, LedgerState};
 use super::link::HubLink;
@@ -323,6 +323,17 @@ impl GroupPeerManager {
         guard.discard();
         self.remove_group(group).await;
         self.emit(Event::Removed { group });
+        // A Welcome that arrived while we still held the group (we were
+        // removed and invited again before seeing the removal) can now be
+        // joined.
+        if let Some(bytes) = self.shared.records.pending_welcome(&group)? {
+            let me = self.clone();
+            self.shared.tasks.spawn(async move {
+                if let Err(e) = me.accept_welcome(&bytes).await {
+                    tracing::warn!(%group, error = %e, "the Welcome kept for after our removal was refused");
+                }
+            });
+        }
         Ok(())
     }
 
@@ -513,61 +524,50 @@ impl GroupPeerManager {
         Ok(())
     }
 
-    /// Join the group of a Welcome envelope. Answers false when the group is
-    /// already joined.
+    /// Join the group of a Welcome envelope. Answers false when nothing was
+    /// joined: a repeat, or a Welcome for a group this device still holds.
+    ///
+    /// A Welcome never takes a group away (DESIGN.md section 9): for a
+    /// group id this device holds, it is kept aside (one per group, the
+    /// latest) and tried only once the device has seen its own removal.
+    /// Nothing about the group (lock slot, records, MLS state) is created
+    /// before the Welcome and every leaf of its tree verify: the Welcome is
+    /// processed in an overlay that is dropped whole on any refusal.
     pub(super) async fn join(&self, env: &WelcomeEnvelope) -> Result<bool, DeviceError> {
-        let mut guard = self.shared.registry.lock(env.group).await;
+        if self.shared.records.group(&env.group)?.is_some() {
+            let mut b = WriteBatch::new();
+            self.shared
+                .records
+                .put_pending_welcome(&mut b, &env.group, &env.encode());
+            let kv = self.shared.registry.provider().kv();
+            kv.apply(&b)?;
+            kv.flush()?;
+            tracing::info!(group = %env.group, "Welcome for a group still held: kept until this device sees its removal");
+            return Ok(false);
+        }
         let body = MlsMessageIn::tls_deserialize_exact(&env.welcome)
             .map_err(|e| DeviceError::Mls(e.to_string()))?
             .extract();
         let MlsMessageBodyIn::Welcome(welcome) = body else {
             return Err(DeviceError::Mls("the envelope holds no Welcome".into()));
         };
-        // Already holding the group: a repeated Welcome is ignored, but one
-        // for a later epoch means we were removed (without having seen it
-        // yet) and invited again, so the old state gives way to the new, in
-        // the same batch.
-        let held = if self.shared.records.group(&env.group)?.is_some() && guard.exists()? {
-            let ours = guard.read(|g| g.epoch().as_u64())?;
-            guard
-                .with(|g, p| {
-                    let _ = g.delete(p.storage());
-                    p.storage().purge_group(&env.group.to_mls())
-                })?
-                .map_err(|e| DeviceError::Store(e.to_string()))?;
-            Some(ours)
-        } else {
-            None
-        };
-        let group = {
-            let p = guard.provider();
-            let staged =
-                match StagedWelcome::new_from_welcome(p, &mls::join_config(), welcome, None) {
-                    Ok(s) => s,
-                    Err(e) => {
-                        guard.discard();
-                        if held.is_some() {
-                            // Most likely the key package of a Welcome we
-                            // already used: a repeat.
-                            return Ok(false);
-                        }
-                        return Err(DeviceError::Mls(e.to_string()));
-                    }
-                };
-            if held.is_some_and(|ours| staged.group_context().epoch().as_u64() <= ours) {
-                guard.discard();
-                return Ok(false);
+        let op = OpProvider::new(self.shared.registry.provider().clone());
+        let staged = StagedWelcome::new_from_welcome(&op, &mls::join_config(), welcome, None)
+            .map_err(|e| DeviceError::Mls(e.to_string()))?;
+        // Every leaf is its device: credential identity and signature key
+        // are the same ed25519 key.
+        for m in staged.members() {
+            if !credential_matches_key(&m.credential, &m.signature_key) {
+                return Err(DeviceError::Mls(format!(
+                    "the Welcome's tree has a leaf (index {}) that is not its device",
+                    m.index.u32()
+                )));
             }
-            match staged.into_group(p) {
-                Ok(g) => g,
-                Err(e) => {
-                    guard.discard();
-                    return Err(DeviceError::Mls(e.to_string()));
-                }
-            }
-        };
+        }
+        let group = staged
+            .into_group(&op)
+            .map_err(|e| DeviceError::Mls(e.to_string()))?;
         if group.group_id().as_slice() != env.group.0 {
-            guard.discard();
             return Err(DeviceError::Mls(
                 "Welcome is for another group than its envelope says".into(),
             ));
@@ -576,27 +576,23 @@ impl GroupPeerManager {
             .members()
             .any(|m| device_id_of(&m.credential) == Some(env.inviter))
         {
-            guard.discard();
             return Err(DeviceError::Mls(
                 "the envelope's inviter is not a member".into(),
             ));
         }
-        guard.install(group);
-        let topic = self.current_app_topic(&mut guard)?;
-        let ext = match guard.read(|g| GroupExt::from_extensions(g.extensions()))? {
+        let ext = match GroupExt::from_extensions(group.extensions()) {
             Ok(Some(ext)) => ext,
             _ => {
-                guard.discard();
                 return Err(DeviceError::Mls(
                     "the group has no valid hubsync extension".into(),
-                ));
+                ))
             }
         };
         // The inviter sealed its whole ledger to our first epoch; it counts
         // only if it reproduces the head MLS authenticates.
         let crypto = self.shared.registry.provider().crypto();
-        let key = guard
-            .read(|g| g.export_secret(crypto, ledger::SNAPSHOT_KEY_LABEL, &[], 16))?
+        let key = group
+            .export_secret(crypto, ledger::SNAPSHOT_KEY_LABEL, &[], 16)
             .map_err(|e| DeviceError::Mls(e.to_string()))?;
         let verified = ledger::open(crypto, &key, &env.group.0, &env.ledger)
             .and_then(|plain| ledger::decode_list(&plain))
@@ -629,6 +625,14 @@ impl GroupPeerManager {
         if commit_hub == env.commit_hub.trim_end_matches('/') {
             cursors.insert(commit_hub.clone(), env.commit_seq);
         }
+        // Verified: only now does the group get state on this device.
+        let mut guard = self.shared.registry.lock(env.group).await;
+        if self.shared.records.group(&env.group)?.is_some() || guard.exists()? {
+            // Another delivery of this Welcome won the race.
+            return Ok(false);
+        }
+        guard.install(group);
+        let topic = self.current_app_topic(&mut guard)?;
         let rec = GroupRecord {
             id: env.group,
             hubs,
@@ -641,15 +645,15 @@ impl GroupPeerManager {
             ledger_complete: complete,
             merged: Vec::new(),
         };
-        let mut b = WriteBatch::new();
-        if held.is_some() {
-            self.shared.records.delete_group(&mut b, &env.group)?;
-        }
+        let mut b = op.take_batch();
         self.shared.records.put_group(&mut b, &rec);
         let encoded: Vec<Vec<u8>> = entries.iter().map(Entry::encode).collect();
         self.shared
             .records
             .put_ledger(&mut b, &env.group, 0, &encoded);
+        self.shared
+            .records
+            .clear_pending_welcome(&mut b, &env.group);
         guard.finish(b)?;
         let epoch = guard.read(|g| g.epoch().as_u64())?;
         let members = self.members_of(&mut guard)?;

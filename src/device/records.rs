@@ -155,6 +155,7 @@ const GROUP: &[u8] = b"eng/group/";
 const LEDGER: &[u8] = b"eng/ledger/";
 const APP_CURSOR: &[u8] = b"eng/appcur/";
 const HUB_STORE: &[u8] = b"eng/hubstore/";
+const PENDING_WELCOME: &[u8] = b"eng/welcome-pending/";
 const JOURNAL: &[u8] = b"eng/journal/";
 const INBOX: &[u8] = b"eng/inbox/";
 const MESSAGE: &[u8] = b"eng/msg/";
@@ -313,6 +314,25 @@ impl Records {
             batch.delete(k);
         }
         Ok(())
+    }
+
+    /// The Welcome envelope kept for a group this device held when it
+    /// arrived (at most one per group: the latest).
+    ///
+    /// # Errors
+    /// The store's error.
+    pub fn pending_welcome(&self, group: &GroupId) -> Result<Option<Vec<u8>>, KvError> {
+        self.kv.get(&key(PENDING_WELCOME, group, &[]))
+    }
+
+    /// Stage a Welcome envelope to try once the group is left.
+    pub fn put_pending_welcome(&self, batch: &mut WriteBatch, group: &GroupId, envelope: &[u8]) {
+        batch.put(key(PENDING_WELCOME, group, &[]), envelope.to_vec());
+    }
+
+    /// Stage the end of a kept Welcome.
+    pub fn clear_pending_welcome(&self, batch: &mut WriteBatch, group: &GroupId) {
+        batch.delete(key(PENDING_WELCOME, group, &[]));
     }
 
     /// The store identity last seen on `hub`, if any.

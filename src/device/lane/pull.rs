@@ -13,7 +13,7 @@ use super::classify::{classify, Facts, MergedThere, SkipReason, Verdict};
 use super::{CommitError, JournalEntry};
 use crate::device::events::Event;
 use crate::device::frames::digest;
-use crate::device::identity::device_id_of;
+use crate::device::identity::{credential_matches_key, device_id_of};
 use crate::device::ledger::{self, Entry, EntryType, GroupExt, LedgerState};
 use crate::device::link::{HubLink, LinkError};
 use crate::device::manager::GroupPeerManager;
@@ -412,6 +412,7 @@ impl GroupPeerManager {
             }
         };
         let aad = processed.aad().to_vec();
+        let sender = processed.sender().clone();
         let ProcessedMessageContent::StagedCommitMessage(staged) = processed.into_content() else {
             self.skip(
                 guard,
@@ -422,6 +423,10 @@ impl GroupPeerManager {
             )?;
             return Ok(Applied::Next);
         };
+        if let Err(reason) = check_leaves(guard, &staged, &sender) {
+            self.skip(guard, rec, hub, m.seq, SkipReason::ForeignLeaf(reason))?;
+            return Ok(Applied::Next);
+        }
         let entries = match self.check_ledger(guard, rec, &staged, &aad, sealed) {
             Ok(e) => e,
             Err(reason) => {
@@ -712,6 +717,52 @@ impl GroupPeerManager {
             }
         }
     }
+}
+
+/// A leaf is its device (DESIGN.md section 9, RFC 9420 section 5.3.1):
+/// every leaf a commit installs carries a credential naming a device and
+/// the signature key of that same device, and a member's new leaf (its
+/// update path, or an Update proposal) keeps the identity it had.
+fn check_leaves(
+    guard: &mut GroupGuard,
+    staged: &StagedCommit,
+    sender: &Sender,
+) -> Result<(), String> {
+    let own_key = |leaf: &LeafNode| -> Result<DeviceId, String> {
+        let d = device_id_of(leaf.credential()).ok_or("a leaf names no device")?;
+        if !credential_matches_key(leaf.credential(), leaf.signature_key().as_slice()) {
+            return Err(format!("leaf of {d} is signed by another key"));
+        }
+        Ok(d)
+    };
+    let identity_at =
+        |guard: &mut GroupGuard, index: LeafNodeIndex| -> Result<Option<DeviceId>, String> {
+            guard
+                .read(|g| g.member(index).and_then(device_id_of))
+                .map_err(|e| e.to_string())
+        };
+    for a in staged.add_proposals() {
+        own_key(a.add_proposal().key_package().leaf_node())?;
+    }
+    for u in staged.update_proposals() {
+        let new = own_key(u.update_proposal().leaf_node())?;
+        if let Sender::Member(index) = u.sender() {
+            if identity_at(guard, *index)? != Some(new) {
+                return Err(format!("an update changes a member's identity to {new}"));
+            }
+        }
+    }
+    if let Some(leaf) = staged.update_path_leaf_node() {
+        let new = own_key(leaf)?;
+        if let Sender::Member(index) = sender {
+            if identity_at(guard, *index)? != Some(new) {
+                return Err(format!(
+                    "the committer's update path changes its identity to {new}"
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// One merged commit, as [`GroupPeerManager::land_merged`] records it.
