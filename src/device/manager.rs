@@ -83,6 +83,9 @@ impl Default for ManagerConfig {
     }
 }
 
+/// How often a device checks its key package pool on each of its hubs.
+const RESTOCK_INTERVAL: Duration = Duration::from_secs(60);
+
 /// Events buffered for a receiver that lags.
 const EVENT_CAPACITY: usize = 65_536;
 
@@ -434,13 +437,25 @@ impl GroupPeerManager {
         let stop = self.shared.shutdown.clone();
         let mut status = link.status();
         let l = link.clone();
+        let restock = Arc::new(tokio::sync::Notify::new());
+        let restock_rx = restock.clone();
         self.shared.tasks.spawn(async move {
+            // Restock on every connection, when a Welcome shows a package
+            // was claimed, and on a timer: claims by others are not seen
+            // otherwise, and a pool drained between connections would leave
+            // the device uninvitable.
+            let mut tick = tokio::time::interval(RESTOCK_INTERVAL);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            tick.reset();
+            let mut announce = true;
             loop {
                 let s = status.borrow_and_update().clone();
-                me.emit(Event::HubStatus {
-                    url: l.url().to_string(),
-                    status: s.clone(),
-                });
+                if announce {
+                    me.emit(Event::HubStatus {
+                        url: l.url().to_string(),
+                        status: s.clone(),
+                    });
+                }
                 if s == super::link::LinkStatus::Connected {
                     if let Err(e) = me.restock_key_packages(&l).await {
                         tracing::warn!(hub = l.url(), error = %e, "key package restock failed");
@@ -448,7 +463,9 @@ impl GroupPeerManager {
                 }
                 tokio::select! {
                     _ = stop.cancelled() => break,
-                    r = status.changed() => if r.is_err() { break },
+                    r = status.changed() => { if r.is_err() { break } announce = true; }
+                    _ = tick.tick() => announce = false,
+                    _ = restock_rx.notified() => announce = false,
                 }
             }
         });
@@ -481,7 +498,10 @@ impl GroupPeerManager {
                     d = rx.recv() => match d { Some(d) => d, None => break },
                 };
                 match me.accept_welcome(&d.payload).await {
-                    Ok(()) => link.ack(vec![d.id]).await,
+                    Ok(()) => {
+                        link.ack(vec![d.id]).await;
+                        restock.notify_one();
+                    }
                     // A store failure may pass: leave it unacked so the hub
                     // delivers it again.
                     Err(e @ DeviceError::Store(_)) => {
