@@ -13,14 +13,19 @@
 use crate::client::{ClientError, ClientOptions, HubClient};
 use crate::clock::Clock;
 use crate::hub::{Hub, HubConfig};
-use crate::kv::{KvStore, SledKv};
+use crate::kv::{Entries, KvError, KvStore, SledKv, WriteBatch};
 use crate::rng::SharedRng;
-use crate::transport::{TcpAcceptor, TcpConnector};
+use crate::transport::{BoxStream, Connector, TcpAcceptor, TcpConnector};
 use ed25519_dalek::SigningKey;
+use futures::future::BoxFuture;
 use std::io;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll, Waker};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 /// A deterministic signing key for tests: the same `n` gives the same device.
 pub fn signing_key(n: u64) -> SigningKey {
@@ -158,11 +163,16 @@ pub fn device_options(hubs: &[String]) -> crate::device::DeviceOptions {
     o
 }
 
+/// Wraps the store a [`TestDevice`] opens (at every open and reopen), for
+/// example in a [`FaultyKv`].
+pub type StoreWrap = Arc<dyn Fn(Arc<dyn KvStore>) -> Arc<dyn KvStore> + Send + Sync>;
+
 /// A device in a temporary directory that can be closed and reopened.
 pub struct TestDevice {
     device: Option<crate::device::Device>,
     dir: tempfile::TempDir,
     options: crate::device::DeviceOptions,
+    wrap: Option<StoreWrap>,
 }
 
 impl TestDevice {
@@ -181,24 +191,62 @@ impl TestDevice {
     pub async fn open_with(
         options: crate::device::DeviceOptions,
     ) -> Result<TestDevice, crate::device::DeviceError> {
+        Self::open_inner(options, None).await
+    }
+
+    /// Open a new device with the given options over its sled store as
+    /// `wrap` wraps it; every [`reopen`](Self::reopen) wraps it again.
+    ///
+    /// ```no_run
+    /// # async fn demo(hubs: Vec<String>) {
+    /// use hubsync::testkit::{device_options, FaultyKv, TestDevice};
+    /// let faulty = FaultyKv::switch();
+    /// let d = TestDevice::open_with_store(device_options(&hubs), faulty.store_wrap())
+    ///     .await
+    ///     .unwrap();
+    /// faulty.fail(true); // every write of `d` fails from now on
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    /// When the directory or the store cannot be had.
+    pub async fn open_with_store(
+        options: crate::device::DeviceOptions,
+        wrap: StoreWrap,
+    ) -> Result<TestDevice, crate::device::DeviceError> {
+        Self::open_inner(options, Some(wrap)).await
+    }
+
+    async fn open_inner(
+        options: crate::device::DeviceOptions,
+        wrap: Option<StoreWrap>,
+    ) -> Result<TestDevice, crate::device::DeviceError> {
         let dir =
             tempfile::tempdir().map_err(|e| crate::device::DeviceError::Store(e.to_string()))?;
-        let device = Self::start(dir.path(), &options).await?;
+        let device = Self::start(dir.path(), &options, wrap.as_ref()).await?;
         Ok(TestDevice {
             device: Some(device),
             dir,
             options,
+            wrap,
         })
     }
 
     async fn start(
         dir: &Path,
         options: &crate::device::DeviceOptions,
+        wrap: Option<&StoreWrap>,
     ) -> Result<crate::device::Device, crate::device::DeviceError> {
-        let kv = open_sled(dir)
-            .await
-            .map_err(|e| crate::device::DeviceError::Store(e.to_string()))?;
-        crate::device::Device::open_store(Arc::new(kv), options.clone()).await
+        let kv: Arc<dyn KvStore> = Arc::new(
+            open_sled(dir)
+                .await
+                .map_err(|e| crate::device::DeviceError::Store(e.to_string()))?,
+        );
+        let kv = match wrap {
+            Some(w) => w(kv),
+            None => kv,
+        };
+        crate::device::Device::open_store(kv, options.clone()).await
     }
 
     /// Close the device and open it again from its directory, as a restart
@@ -210,7 +258,7 @@ impl TestDevice {
         if let Some(d) = self.device.take() {
             d.close().await;
         }
-        self.device = Some(Self::start(self.dir.path(), &self.options).await?);
+        self.device = Some(Self::start(self.dir.path(), &self.options, self.wrap.as_ref()).await?);
         Ok(())
     }
 
@@ -237,5 +285,237 @@ impl std::ops::Deref for TestDevice {
             Some(d) => d,
             None => panic!("TestDevice used while closed; call reopen() first"),
         }
+    }
+}
+
+/// A switch that makes the writes of a wrapped store fail on demand, as a
+/// full disk or a failing device would: while it is on, every
+/// [`KvStore::apply`] and [`KvStore::flush`] of a [`FaultyKv`] made with
+/// [`FaultySwitch::wrap`] answers [`KvError::Engine`] and changes nothing;
+/// reads always go through.
+#[derive(Clone, Debug, Default)]
+pub struct FaultySwitch {
+    failing: Arc<AtomicBool>,
+    refused: Arc<AtomicU64>,
+}
+
+impl FaultySwitch {
+    /// Turn the failure on or off.
+    pub fn fail(&self, on: bool) {
+        self.failing.store(on, Ordering::SeqCst);
+    }
+
+    /// How many writes were refused so far (to check that a test really
+    /// exercised the failure).
+    pub fn refused(&self) -> u64 {
+        self.refused.load(Ordering::SeqCst)
+    }
+
+    /// `inner` behind this switch.
+    pub fn wrap(&self, inner: Arc<dyn KvStore>) -> Arc<dyn KvStore> {
+        Arc::new(FaultyKv {
+            inner,
+            switch: self.clone(),
+        })
+    }
+
+    /// [`wrap`](Self::wrap) as a [`StoreWrap`] for
+    /// [`TestDevice::open_with_store`].
+    pub fn store_wrap(&self) -> StoreWrap {
+        let me = self.clone();
+        Arc::new(move |kv| me.wrap(kv))
+    }
+}
+
+/// A store whose writes fail while its [`FaultySwitch`] is on.
+pub struct FaultyKv {
+    inner: Arc<dyn KvStore>,
+    switch: FaultySwitch,
+}
+
+impl FaultyKv {
+    /// A new switch, off; wrap stores with [`FaultySwitch::wrap`].
+    pub fn switch() -> FaultySwitch {
+        FaultySwitch::default()
+    }
+
+    fn check(&self) -> Result<(), KvError> {
+        if self.switch.failing.load(Ordering::SeqCst) {
+            self.switch.refused.fetch_add(1, Ordering::SeqCst);
+            return Err(KvError::Engine("injected write failure (testkit)".into()));
+        }
+        Ok(())
+    }
+}
+
+impl KvStore for FaultyKv {
+    fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, KvError> {
+        self.inner.get(key)
+    }
+
+    fn range(&self, start: &[u8], end: Option<&[u8]>, limit: usize) -> Result<Entries, KvError> {
+        self.inner.range(start, end, limit)
+    }
+
+    fn apply(&self, batch: &WriteBatch) -> Result<(), KvError> {
+        self.check()?;
+        self.inner.apply(batch)
+    }
+
+    fn flush(&self) -> Result<(), KvError> {
+        self.check()?;
+        self.inner.flush()
+    }
+
+    fn flush_blocks(&self) -> bool {
+        self.inner.flush_blocks()
+    }
+}
+
+/// Holds what one hub sends to a device, on demand: the connections that a
+/// [`GatedConnector`] opens to its URL stop delivering received bytes while
+/// the gate is held (the bytes wait, nothing is lost) and go on when it is
+/// released. Writes always go through, so a request reaches the hub and is
+/// acted on while its answer waits: a slow hub, or a crash between a
+/// publish and its answer.
+#[derive(Default)]
+pub struct Gate {
+    held: AtomicBool,
+    /// When non-zero: hold as soon as one write of at least this many
+    /// bytes has gone out.
+    hold_after_write: AtomicUsize,
+    wakers: Mutex<Vec<Waker>>,
+}
+
+impl Gate {
+    /// Hold received bytes from now on.
+    pub fn hold(&self) {
+        self.held.store(true, Ordering::SeqCst);
+    }
+
+    /// Hold received bytes once a single write of at least `min_len` bytes
+    /// went out (that write itself goes through): for example a commit
+    /// publish, which is larger than the small requests around it.
+    pub fn hold_after_write(&self, min_len: usize) {
+        self.hold_after_write.store(min_len, Ordering::SeqCst);
+    }
+
+    /// Let everything through again (and disarm [`hold_after_write`]).
+    ///
+    /// [`hold_after_write`]: Gate::hold_after_write
+    pub fn release(&self) {
+        self.hold_after_write.store(0, Ordering::SeqCst);
+        self.held.store(false, Ordering::SeqCst);
+        let wakers = std::mem::take(&mut *self.wakers.lock().unwrap_or_else(|p| p.into_inner()));
+        for w in wakers {
+            w.wake();
+        }
+    }
+
+    /// Whether received bytes are held now.
+    pub fn is_held(&self) -> bool {
+        self.held.load(Ordering::SeqCst)
+    }
+
+    fn wrote(&self, n: usize) {
+        let min = self.hold_after_write.load(Ordering::SeqCst);
+        if min > 0 && n >= min {
+            self.hold_after_write.store(0, Ordering::SeqCst);
+            self.hold();
+        }
+    }
+
+    /// Pending (with the waker kept) while held.
+    fn poll_open(&self, cx: &mut Context<'_>) -> Poll<()> {
+        if !self.is_held() {
+            return Poll::Ready(());
+        }
+        self.wakers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(cx.waker().clone());
+        // Released between the check and the registration: go on.
+        if self.is_held() {
+            Poll::Pending
+        } else {
+            Poll::Ready(())
+        }
+    }
+}
+
+/// A connector that reaches every hub over TCP, with the streams to one
+/// URL behind a [`Gate`].
+pub struct GatedConnector {
+    inner: Arc<dyn Connector>,
+    url: String,
+    gate: Arc<Gate>,
+}
+
+impl GatedConnector {
+    /// Streams to `url` (compared without a trailing `/`) go through `gate`;
+    /// everything goes over TCP.
+    pub fn new(url: &str, gate: Arc<Gate>) -> Self {
+        Self {
+            inner: Arc::new(TcpConnector),
+            url: url.trim_end_matches('/').to_string(),
+            gate,
+        }
+    }
+}
+
+impl Connector for GatedConnector {
+    fn connect(&self, url: &str) -> BoxFuture<'static, io::Result<BoxStream>> {
+        let fut = self.inner.connect(url);
+        let gate = (url.trim_end_matches('/') == self.url).then(|| self.gate.clone());
+        Box::pin(async move {
+            let stream = fut.await?;
+            Ok(match gate {
+                Some(gate) => Box::new(GatedStream {
+                    inner: stream,
+                    gate,
+                }) as BoxStream,
+                None => stream,
+            })
+        })
+    }
+}
+
+struct GatedStream {
+    inner: BoxStream,
+    gate: Arc<Gate>,
+}
+
+impl AsyncRead for GatedStream {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        if self.gate.poll_open(cx).is_pending() {
+            return Poll::Pending;
+        }
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for GatedStream {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let r = Pin::new(&mut self.inner).poll_write(cx, buf);
+        if let Poll::Ready(Ok(n)) = &r {
+            self.gate.wrote(*n);
+        }
+        r
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
     }
 }

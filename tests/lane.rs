@@ -1,0 +1,1389 @@
+//! The commit lane and the control ledger end to end: real hubs over
+//! loopback TCP, real devices in temporary directories (DESIGN.md sections
+//! 3, 4 and 9). Each test states one behaviour and checks its outcome:
+//! epochs, epoch authenticators, ledgers, cursors, events, hub logs.
+
+use hubsync::device::identity::DeviceIdentity;
+use hubsync::device::lane::{SkipReason, LOOPBACK_HUB};
+use hubsync::device::ledger::{EntryType, LedgerError};
+use hubsync::device::records::Records;
+use hubsync::device::topics::commit_topic;
+use hubsync::device::{CommitError, CommitKind, Event, GroupId};
+use hubsync::hub::Limits;
+use hubsync::kv::KvStore;
+use hubsync::testkit::{
+    device_options, open_sled, signing_key, FaultyKv, Gate, GatedConnector, TestDevice, TestHub,
+};
+use hubsync::wire::{
+    DeviceId, ExpectedHead, Publish, PublishId, PublishOutcome, RetentionClass, TopicId,
+};
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::broadcast;
+
+const WAIT: Duration = Duration::from_secs(20);
+
+// ---------------------------------------------------------------------------
+// Helpers
+// ---------------------------------------------------------------------------
+
+/// Every event of one device, collected by a task as they come, so that
+/// several waits (even concurrent ones) can look at them.
+struct Watch {
+    events: Arc<Mutex<Vec<Event>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl Watch {
+    /// Collect `d`'s events. Made right after a device opens, it holds
+    /// every event since the open (the first receiver does).
+    fn new(d: &TestDevice) -> Self {
+        let mut rx = d.events();
+        let events = Arc::new(Mutex::new(Vec::new()));
+        let out = events.clone();
+        let task = tokio::spawn(async move {
+            loop {
+                match rx.recv().await {
+                    Ok(e) => out.lock().unwrap().push(e),
+                    Err(broadcast::error::RecvError::Lagged(n)) => {
+                        panic!("event receiver lagged by {n}")
+                    }
+                    Err(broadcast::error::RecvError::Closed) => return,
+                }
+            }
+        });
+        Self { events, task }
+    }
+
+    fn snapshot(&self) -> Vec<Event> {
+        self.events.lock().unwrap().clone()
+    }
+
+    fn count(&self, pred: impl Fn(&Event) -> bool) -> usize {
+        self.events
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|e| pred(e))
+            .count()
+    }
+
+    /// Wait until `pred` holds for some event, or fail after `WAIT`.
+    async fn until(&self, what: &str, pred: impl Fn(&Event) -> bool) {
+        let deadline = tokio::time::Instant::now() + WAIT;
+        while self.count(&pred) == 0 {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "timed out waiting for {what}; events: {:?}",
+                self.snapshot()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Deliveries of `body` in `g`.
+    fn got(&self, g: GroupId, body: &[u8]) -> usize {
+        self.count(|e| {
+            matches!(e, Event::MessageReceived { group, body: b, .. } if *group == g && b == body)
+        })
+    }
+
+    async fn until_message(&self, g: GroupId, body: &[u8]) {
+        let what = format!("message {:?}", String::from_utf8_lossy(body));
+        self.until(&what, |e| {
+            matches!(e, Event::MessageReceived { group, body: b, .. } if *group == g && b == body)
+        })
+        .await;
+    }
+
+    fn joined(&self, g: GroupId) -> bool {
+        self.count(|e| matches!(e, Event::GroupJoined { group, .. } if *group == g)) > 0
+    }
+
+    fn stranded(&self) -> usize {
+        self.count(|e| matches!(e, Event::Stranded { .. }))
+    }
+
+    fn rewound(&self, url: &str) -> usize {
+        self.count(|e| matches!(e, Event::HubRewound { url: u } if u == url))
+    }
+
+    /// Wait for a `FrameSkipped` of `g` at `seq`, and answer its reason.
+    async fn skipped_at(&self, g: GroupId, seq: u64) -> SkipReason {
+        self.until(
+            &format!("frame {seq} skipped"),
+            |e| matches!(e, Event::FrameSkipped { group, seq: s, .. } if *group == g && *s == seq),
+        )
+        .await;
+        self.snapshot()
+            .into_iter()
+            .find_map(|e| match e {
+                Event::FrameSkipped {
+                    group,
+                    seq: s,
+                    reason,
+                    ..
+                } if group == g && s == seq => Some(reason),
+                _ => None,
+            })
+            .expect("just seen")
+    }
+}
+
+fn unthrottled(c: &mut hubsync::hub::HubConfig) {
+    c.limits = Limits::unthrottled();
+}
+
+async fn hubs(n: usize) -> Vec<TestHub> {
+    let mut v = Vec::new();
+    for _ in 0..n {
+        v.push(TestHub::start_with(unthrottled).await.unwrap());
+    }
+    v
+}
+
+fn urls(h: &[TestHub]) -> Vec<String> {
+    h.iter().map(|h| h.url().to_string()).collect()
+}
+
+/// Start a hub over `dir` on `addr` (a port just released: retry a little).
+async fn hub_at(dir: &Path, addr: &str) -> TestHub {
+    let mut tries = 0;
+    loop {
+        match TestHub::start_at(dir, addr, unthrottled).await {
+            Ok(h) => return h,
+            Err(e) if tries < 50 => {
+                tries += 1;
+                tracing::debug!(error = %e, "hub restart retry");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("hub start on {addr}: {e}"),
+        }
+    }
+}
+
+/// A just-opened device may not have uploaded key packages yet.
+async fn invite_with_retry(by: &TestDevice, g: GroupId, who: DeviceId) {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        match by.invite(g, who).await {
+            Ok(_) => return,
+            Err(CommitError::NoKeyPackage(_)) if tokio::time::Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("invite failed: {e}"),
+        }
+    }
+}
+
+/// Create a group on `creator` and bring every other device in.
+async fn group_of(
+    creator: &TestDevice,
+    others: &[(&TestDevice, &Watch)],
+    hubs: &[String],
+) -> GroupId {
+    let g = creator.create_group(hubs).await.unwrap();
+    for (d, w) in others {
+        invite_with_retry(creator, g, d.id()).await;
+        let deadline = tokio::time::Instant::now() + WAIT;
+        while !w.joined(g) {
+            assert!(tokio::time::Instant::now() < deadline, "no welcome");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    g
+}
+
+/// Wait until every device is at the same epoch with the same epoch
+/// authenticator; answer them.
+async fn converge(devices: &[&TestDevice], g: GroupId) -> (u64, Vec<u8>) {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let mut states = Vec::new();
+        for d in devices {
+            states.push((
+                d.epoch(g).await.unwrap(),
+                d.epoch_authenticator(g).await.unwrap(),
+            ));
+        }
+        if states.windows(2).all(|w| w[0] == w[1]) {
+            return states.remove(0);
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no convergence: epochs {:?}",
+            states.iter().map(|s| s.0).collect::<Vec<_>>()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Converge, and check that nobody forked: the same ledger (entries and
+/// head) everywhere, and no device stranded.
+async fn agree(devices: &[&TestDevice], g: GroupId) -> (u64, Vec<u8>) {
+    let state = converge(devices, g).await;
+    let first = devices[0];
+    for d in &devices[1..] {
+        assert_eq!(d.ledger(g).unwrap(), first.ledger(g).unwrap(), "ledgers");
+        assert_eq!(
+            d.ledger_view(g).unwrap().head,
+            first.ledger_view(g).unwrap().head,
+            "ledger heads"
+        );
+    }
+    for d in devices {
+        assert!(
+            !d.manager().record(g).unwrap().stranded,
+            "a device is stranded"
+        );
+    }
+    state
+}
+
+/// Wait until `d` is at `epoch` in `g`.
+async fn wait_epoch(d: &TestDevice, g: GroupId, epoch: u64) {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let e = d.epoch(g).await.unwrap();
+        if e == epoch {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "stuck at epoch {e}, waiting for {epoch}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Poll `cond` until it holds, or fail after `WAIT` saying `what`.
+async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while !cond() {
+        assert!(tokio::time::Instant::now() < deadline, "timed out: {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// `from` sends `body`; each of `to` receives it exactly once.
+async fn message_reaches(from: &TestDevice, to: &[&Watch], g: GroupId, body: &[u8]) {
+    from.send(g, body).await.unwrap();
+    for w in to {
+        w.until_message(g, body).await;
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    for w in to {
+        assert_eq!(w.got(g, body), 1, "delivered exactly once");
+    }
+}
+
+/// The group's commit topic, computed from a member's record.
+fn topic_of(d: &TestDevice, g: GroupId) -> TopicId {
+    commit_topic(&d.manager().record(g).unwrap().topic_seed)
+}
+
+fn log_publish(topic: &TopicId, id: u64, payload: Vec<u8>) -> Publish {
+    let mut pid = [0xabu8; 32];
+    pid[..8].copy_from_slice(&id.to_be_bytes());
+    Publish {
+        topic: topic.clone(),
+        publish_id: PublishId(pid),
+        class: RetentionClass::Log,
+        expected_head: ExpectedHead::Unconditional,
+        replay_only: false,
+        retention_secs: None,
+        payload,
+    }
+}
+
+fn accepted_seq(o: PublishOutcome) -> u64 {
+    match o {
+        PublishOutcome::Accepted { seq, .. } => seq,
+        other => panic!("publish not accepted: {other:?}"),
+    }
+}
+
+/// Where the epoch of an MLS message sits: after the version and wire
+/// format (2 bytes each) and the group id (a variable-length vector), in
+/// both PublicMessage and PrivateMessage.
+fn epoch_offset(mls: &[u8]) -> usize {
+    let at = 4;
+    let (len, prefix) = match mls[at] >> 6 {
+        0 => ((mls[at] & 0x3f) as usize, 1),
+        1 => (
+            (u16::from_be_bytes([mls[at], mls[at + 1]]) & 0x3fff) as usize,
+            2,
+        ),
+        _ => panic!("group id length prefix too long for a test frame"),
+    };
+    at + prefix + len
+}
+
+/// A copy of a bare MLS frame claiming `epoch` (still well-formed MLS: it
+/// parses; it only cannot be decrypted or verified).
+fn with_epoch(mls: &[u8], epoch: u64) -> Vec<u8> {
+    let mut out = mls.to_vec();
+    let at = epoch_offset(mls);
+    out[at..at + 8].copy_from_slice(&epoch.to_be_bytes());
+    out
+}
+
+/// Parse a frame as MLS and answer its group id and epoch.
+fn mls_header(frame: &[u8]) -> (Vec<u8>, u64) {
+    use openmls::prelude::tls_codec::Deserialize as _;
+    use openmls::prelude::MlsMessageIn;
+    let pm = MlsMessageIn::tls_deserialize_exact(frame)
+        .expect("well-formed MLS")
+        .try_into_protocol_message()
+        .expect("a protocol message");
+    (pm.group_id().as_slice().to_vec(), pm.epoch().as_u64())
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        let target = to.join(e.file_name());
+        if e.file_type().unwrap().is_dir() {
+            copy_dir(&e.path(), &target);
+        } else {
+            std::fs::copy(e.path(), target).unwrap();
+        }
+    }
+}
+
+/// How many ledger entries of `g` on `d` are `group.setting`s of `name`.
+fn settings_named(d: &TestDevice, g: GroupId, name: &str) -> usize {
+    d.ledger(g)
+        .unwrap()
+        .iter()
+        .filter(|e| e.kind == EntryType::GroupSetting && e.subject == name.as_bytes())
+        .count()
+}
+
+// ---------------------------------------------------------------------------
+// 1. Concurrent commits
+// ---------------------------------------------------------------------------
+
+/// Two admins commit at once: the compare-and-set lets one win its position
+/// at the first build; the other loses the race, is rebuilt on top of the
+/// winner and lands right after it. Both results say so, and every member
+/// ends on the same epoch, authenticator and ledger.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_admins_committing_at_once_both_land_one_rebuilt_after_the_other() {
+    let hubs = hubs(1).await;
+    let u = urls(&hubs);
+    let a = TestDevice::open(&u).await.unwrap();
+    let b = TestDevice::open(&u).await.unwrap();
+    let wb = Watch::new(&b);
+    let g = group_of(&a, &[(&b, &wb)], &u).await;
+    a.grant_admin(g, b.id()).await.unwrap();
+    agree(&[&a, &b], g).await;
+    let admins = b.ledger_view(g).unwrap().admins;
+    assert!(admins.contains(&a.id()) && admins.contains(&b.id()));
+
+    // Both start together; whether their builds overlap is up to the
+    // scheduler, so try a few rounds and require at least one real race.
+    let mut raced = false;
+    for round in 0..10 {
+        let (e, _) = agree(&[&a, &b], g).await;
+        let s = a.manager().record(g).unwrap().cursor();
+        let lost_before = a.stats().lost_races + b.stats().lost_races;
+        let (ra, rb) = tokio::join!(a.rotate_keys(g), b.rotate_keys(g));
+        let (ra, rb) = (ra.unwrap(), rb.unwrap());
+        let (first, second) = if ra.outcome.seq < rb.outcome.seq {
+            (&ra, &rb)
+        } else {
+            (&rb, &ra)
+        };
+        assert_eq!(
+            (first.outcome.seq, second.outcome.seq),
+            (s + 1, s + 2),
+            "round {round}: two consecutive positions on the commit topic"
+        );
+        assert_eq!(
+            (first.outcome.epoch, second.outcome.epoch),
+            (e + 1, e + 2),
+            "round {round}: each commit reports the epoch it made (a report of e + 2 for \
+             the commit at s + 1 is the live epoch read after a later commit merged too)"
+        );
+        assert_eq!(first.outcome.attempts, 1, "the winner built once");
+        assert!(first.lost.is_none() && second.lost.is_none());
+        assert!(first.reenact.is_empty() && second.reenact.is_empty());
+        let (e2, _) = agree(&[&a, &b], g).await;
+        assert_eq!(e2, e + 2);
+        let lost_now = a.stats().lost_races + b.stats().lost_races;
+        match second.outcome.attempts {
+            1 => assert_eq!(lost_now, lost_before, "no race, nothing lost"),
+            2 => {
+                assert_eq!(lost_now, lost_before + 1, "the loser counted its lost race");
+                raced = true;
+                break;
+            }
+            n => panic!("the loser built {n} times against one other committer"),
+        }
+    }
+    assert!(raced, "in 10 rounds the two commits never raced");
+    assert_eq!(
+        a.manager().record(g).unwrap().cursor(),
+        b.manager().record(g).unwrap().cursor()
+    );
+}
+
+// ---------------------------------------------------------------------------
+// 2. Crash windows
+// ---------------------------------------------------------------------------
+
+/// Stopped after the hub's acceptance was journalled but before the merge:
+/// reopened with the commit hub down, the device adopts its commit from the
+/// journal alone, reaching the epoch (and authenticator) the others reached
+/// by applying it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_stopped_after_acceptance_is_adopted_on_reopen_with_the_hub_down() {
+    let dir = tempfile::tempdir().unwrap();
+    let hub = hub_at(dir.path(), "127.0.0.1:0").await;
+    let addr = hub.addr().to_string();
+    let u = vec![hub.url().to_string()];
+    let mut a = TestDevice::open(&u).await.unwrap();
+    let b = TestDevice::open(&u).await.unwrap();
+    let wb = Watch::new(&b);
+    let g = group_of(&a, &[(&b, &wb)], &u).await;
+    let (e, _) = agree(&[&a, &b], g).await;
+
+    // From the stop on, the "crashed" device does nothing more (no_pull):
+    // otherwise its own peer could settle the journal before the reopen.
+    a.manager().faults().no_pull.store(true, SeqCst);
+    a.manager().faults().halt_after_accept.store(true, SeqCst);
+    assert_eq!(a.rotate_keys(g).await.unwrap_err(), CommitError::Stopped);
+    assert_eq!(a.epoch(g).await.unwrap(), e, "not merged before the stop");
+    // The hub accepted it: b applies it.
+    wait_epoch(&b, g, e + 1).await;
+    let b_auth = b.epoch_authenticator(g).await.unwrap();
+    let seq = b.manager().record(g).unwrap().cursor();
+
+    hub.stop().await;
+    a.reopen().await.unwrap();
+    let wa = Watch::new(&a);
+    wait_epoch(&a, g, e + 1).await;
+    assert_eq!(
+        a.epoch_authenticator(g).await.unwrap(),
+        b_auth,
+        "adopted the very commit the hub accepted"
+    );
+    assert_eq!(a.manager().record(g).unwrap().cursor(), seq);
+    assert_eq!(wa.stranded(), 0);
+    assert_eq!(wa.count(|e| matches!(e, Event::CommitLost { .. })), 0);
+
+    // With the hub back, the group goes on from there.
+    let _hub = hub_at(dir.path(), &addr).await;
+    let r = a.rotate_keys(g).await.unwrap();
+    assert!(r.lost.is_none());
+    assert_eq!((r.outcome.epoch, r.outcome.seq), (e + 2, seq + 1));
+    agree(&[&a, &b], g).await;
+    message_reaches(&a, &[&wb], g, b"after the crash").await;
+}
+
+/// Stopped after the hub accepted the publish but before its answer
+/// arrived (no fault switch marks that point: a gate holds everything the
+/// hub sends the device from the publish on, and the run is dropped there):
+/// reopened with the hub up, the device settles the commit from its
+/// journal (replayed under its publish id, answered as a duplicate) and
+/// converges with the others, who applied it meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_whose_acceptance_never_arrived_is_settled_from_the_journal_on_reopen() {
+    let hubs = hubs(1).await;
+    let u = urls(&hubs);
+    let gate = Arc::new(Gate::default());
+    let mut oa = device_options(&u);
+    oa.connector = Arc::new(GatedConnector::new(&u[0], gate.clone()));
+    let mut a = TestDevice::open_with(oa).await.unwrap();
+    let b = TestDevice::open(&u).await.unwrap();
+    let wb = Watch::new(&b);
+    let g = group_of(&a, &[(&b, &wb)], &u).await;
+    let (e, _) = agree(&[&a, &b], g).await;
+    let s = a.manager().record(g).unwrap().cursor();
+
+    // A commit frame is far larger than the requests before it (a fetch).
+    gate.hold_after_write(400);
+    {
+        let rotate = a.rotate_keys(g);
+        tokio::pin!(rotate);
+        tokio::select! {
+            r = &mut rotate => panic!("the hub's answer was held, yet the commit returned {r:?}"),
+            _ = wait_epoch(&b, g, e + 1) => {}
+        }
+        // The run is dropped here, mid-publish, as a crash would end it.
+    }
+    assert!(
+        gate.is_held(),
+        "the publish went out and its answer was held"
+    );
+    assert_eq!(a.epoch(g).await.unwrap(), e);
+    a.manager().faults().no_pull.store(true, SeqCst);
+    gate.release();
+    a.reopen().await.unwrap();
+    let wa = Watch::new(&a);
+
+    let (e1, auth) = agree(&[&a, &b], g).await;
+    assert_eq!(e1, e + 1);
+    assert_eq!(auth, b.epoch_authenticator(g).await.unwrap());
+    assert_eq!(a.manager().record(g).unwrap().cursor(), s + 1);
+    assert_eq!(
+        wa.stranded(),
+        0,
+        "its own accepted commit is no evidence against it"
+    );
+    assert_eq!(wa.count(|e| matches!(e, Event::CommitLost { .. })), 0);
+
+    let r = a.rotate_keys(g).await.unwrap();
+    assert!(r.lost.is_none(), "nothing was lost");
+    assert_eq!(
+        (r.outcome.epoch, r.outcome.seq, r.outcome.attempts),
+        (e + 2, s + 2, 1)
+    );
+    agree(&[&a, &b], g).await;
+    message_reaches(&b, &[&wa], g, b"still one group").await;
+}
+
+/// Stopped after the journal but before the publish left the device: the
+/// commit never reached the hub. Reopened, the device reports it lost (an
+/// event, and the next commit's `LaneResult::lost` when that commit is the
+/// one that settles the journal) and issues its ledger entry again, once:
+/// every member ends with that entry exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ledger_commit_lost_before_its_publish_is_reported_and_its_entry_lands_once() {
+    let hubs = hubs(1).await;
+    let u = urls(&hubs);
+    let mut a = TestDevice::open(&u).await.unwrap();
+    let b = TestDevice::open(&u).await.unwrap();
+    let wb = Watch::new(&b);
+    let g = group_of(&a, &[(&b, &wb)], &u).await;
+    let (e, _) = agree(&[&a, &b], g).await;
+    let len = a.ledger(g).unwrap().len();
+    let reader = hubs[0].client(&signing_key(901)).await.unwrap();
+    let topic = topic_of(&a, g);
+    let head = reader.fetch(&topic, 0, 1).await.unwrap().head;
+
+    a.manager().faults().no_pull.store(true, SeqCst);
+    a.manager().faults().halt_after_journal.store(true, SeqCst);
+    assert_eq!(
+        a.set_setting(g, "color", b"blue").await.unwrap_err(),
+        CommitError::Stopped
+    );
+    assert_eq!(
+        reader.fetch(&topic, 0, 1).await.unwrap().head,
+        head,
+        "nothing reached the hub"
+    );
+    assert_eq!(settings_named(&a, g, "color"), 0);
+
+    a.reopen().await.unwrap();
+    let wa = Watch::new(&a);
+    // The next commit settles the journal first (step 0), unless the
+    // peer's first pull at start already did: either way it is reported.
+    let r = a.rotate_keys(g).await.unwrap();
+    if let Some(lost) = &r.lost {
+        assert_eq!(
+            (lost.kind, lost.subject, lost.redriven),
+            (CommitKind::Ledger, None, true)
+        );
+        assert_eq!(lost.entries.len(), 1);
+        assert_eq!(lost.entries[0].kind, EntryType::GroupSetting);
+        assert_eq!(lost.entries[0].subject, b"color");
+    }
+    wa.until("the lost commit reported", |ev| {
+        matches!(ev, Event::CommitLost { group, kind: CommitKind::Ledger, subject: None, redriven: true } if *group == g)
+    })
+    .await;
+    for d in [&a, &b] {
+        let deadline = tokio::time::Instant::now() + WAIT;
+        while d
+            .settings(g)
+            .unwrap()
+            .group
+            .get("color")
+            .map(|s| s.value.clone())
+            != Some(b"blue".to_vec())
+        {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the setting never landed"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    let (e1, _) = agree(&[&a, &b], g).await;
+    assert_eq!(e1, e + 2, "the rotation and one re-drive");
+
+    // Once: another commit later, still one entry and one report.
+    b.rotate_keys(g).await.unwrap();
+    let (e2, _) = agree(&[&a, &b], g).await;
+    assert_eq!(e2, e + 3);
+    for d in [&a, &b] {
+        assert_eq!(
+            settings_named(d, g, "color"),
+            1,
+            "the entry lands exactly once"
+        );
+        assert_eq!(d.ledger(g).unwrap().len(), len + 1);
+    }
+    assert_eq!(wa.count(|e| matches!(e, Event::CommitLost { .. })), 1);
+    assert_eq!(wa.stranded() + wb.stranded(), 0);
+}
+
+/// A lost invite cannot be rebuilt (its key package is spent): it is
+/// reported with its subject, not re-driven, and the invitee is not added.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_invite_is_reported_with_its_subject_and_not_redriven() {
+    let hubs = hubs(1).await;
+    let u = urls(&hubs);
+    let mut a = TestDevice::open(&u).await.unwrap();
+    let b = TestDevice::open(&u).await.unwrap();
+    let c = TestDevice::open(&u).await.unwrap();
+    let wb = Watch::new(&b);
+    let g = group_of(&a, &[(&b, &wb)], &u).await;
+    let (e, _) = agree(&[&a, &b], g).await;
+
+    a.manager().faults().no_pull.store(true, SeqCst);
+    a.manager().faults().halt_after_journal.store(true, SeqCst);
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        match a.invite(g, c.id()).await {
+            Err(CommitError::Stopped) => break,
+            Err(CommitError::NoKeyPackage(_)) if tokio::time::Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(100)).await
+            }
+            other => panic!("expected the stop, got {other:?}"),
+        }
+    }
+    a.reopen().await.unwrap();
+    let wa = Watch::new(&a);
+    let cid = c.id();
+    wa.until("the lost invite reported", |ev| {
+        matches!(ev, Event::CommitLost { group, kind: CommitKind::Invite, subject: Some(s), redriven: false } if *group == g && *s == cid)
+    })
+    .await;
+    let r = a.rotate_keys(g).await.unwrap();
+    assert_eq!(r.outcome.epoch, e + 1, "nothing but the rotation landed");
+    agree(&[&a, &b], g).await;
+    assert_eq!(a.members(g).await.unwrap().len(), 2);
+    assert!(!a.ledger_view(g).unwrap().members.contains(&cid));
+    assert!(c.groups().unwrap().is_empty(), "no Welcome went out");
+}
+
+// ---------------------------------------------------------------------------
+// 3. Frames nobody in the group wrote
+// ---------------------------------------------------------------------------
+
+/// Rotate on `by`, converge, and check a message gets through.
+async fn carry_on(by: &TestDevice, all: &[&TestDevice], to: &[&Watch], g: GroupId, body: &[u8]) {
+    let (e, _) = agree(all, g).await;
+    let r = by.rotate_keys(g).await.unwrap();
+    assert_eq!(r.outcome.epoch, e + 1);
+    let (e1, _) = agree(all, g).await;
+    assert_eq!(e1, e + 1);
+    message_reaches(by, to, g, body).await;
+}
+
+/// Anyone can write on a hub: garbage, a well-formed frame claiming a
+/// far-future epoch, a removed member's real commit. Each is skipped and
+/// reported on every member, nobody is stranded, and the group commits and
+/// messages on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frames_from_strangers_and_removed_members_are_skipped_and_strand_nobody() {
+    let hubs = hubs(1).await;
+    let u = urls(&hubs);
+    let a = TestDevice::open(&u).await.unwrap();
+    let b = TestDevice::open(&u).await.unwrap();
+    let mut c = TestDevice::open(&u).await.unwrap();
+    let (wa, wb, wc) = (Watch::new(&a), Watch::new(&b), Watch::new(&c));
+    let g = group_of(&a, &[(&b, &wb), (&c, &wc)], &u).await;
+    agree(&[&a, &b, &c], g).await;
+    let topic = topic_of(&b, g);
+    let stranger = hubs[0].client(&signing_key(4242)).await.unwrap();
+
+    // (a) Garbage.
+    let seq = accepted_seq(
+        stranger
+            .publish(log_publish(&topic, 1, b"not an MLS message".to_vec()))
+            .await
+            .unwrap(),
+    );
+    for w in [&wa, &wb, &wc] {
+        assert_eq!(w.skipped_at(g, seq).await, SkipReason::Garbage);
+    }
+    carry_on(&a, &[&a, &b, &c], &[&wb, &wc], g, b"after garbage").await;
+
+    // (b) A member's real commit frame (the rotation just made, a bare
+    // MLSMessage), re-published by a stranger with its epoch set far ahead:
+    // well-formed MLS of this very group, claiming epoch e + 1000.
+    let (e, _) = agree(&[&a, &b, &c], g).await;
+    let f = stranger.fetch(&topic, seq, 100).await.unwrap();
+    let real = &f.messages.last().expect("the rotation").payload;
+    assert_eq!(&real[..2], &[0, 1], "a bare MLSMessage");
+    let forged = with_epoch(real, e + 1000);
+    assert_eq!(mls_header(&forged), (g.0.to_vec(), e + 1000));
+    let seq = accepted_seq(
+        stranger
+            .publish(log_publish(&topic, 2, forged))
+            .await
+            .unwrap(),
+    );
+    for w in [&wa, &wb, &wc] {
+        assert_eq!(w.skipped_at(g, seq).await, SkipReason::Stranger);
+    }
+    carry_on(&b, &[&a, &b, &c], &[&wa, &wc], g, b"after the future").await;
+
+    // (c) A removed member: c builds a real commit at its epoch and never
+    // publishes it (stopped after the journal); then a removes c, and c,
+    // with its own key, publishes that commit on the topic, and a copy
+    // claiming a later epoch.
+    c.manager().faults().no_pull.store(true, SeqCst);
+    c.manager().faults().halt_after_journal.store(true, SeqCst);
+    assert_eq!(c.rotate_keys(g).await.unwrap_err(), CommitError::Stopped);
+    let cid = c.id();
+    c.close().await;
+    let (c_key, c_commit) = {
+        let kv: Arc<dyn KvStore> = Arc::new(open_sled(c.dir()).await.unwrap());
+        let id = DeviceIdentity::load(&*kv).unwrap().expect("c's identity");
+        let j = Records::new(kv).journal(&g).unwrap().expect("c's journal");
+        (id.signing_key().clone(), j.payload)
+    };
+    let (c_group, c_epoch) = mls_header(&c_commit);
+    assert_eq!(c_group, g.0.to_vec());
+    a.remove(g, cid).await.unwrap();
+    let (e, _) = agree(&[&a, &b], g).await;
+    assert_eq!(e, c_epoch + 1);
+    let removed = hubs[0].client(&c_key).await.unwrap();
+    let s1 = accepted_seq(
+        removed
+            .publish(log_publish(&topic, 3, c_commit.clone()))
+            .await
+            .unwrap(),
+    );
+    let s2 = accepted_seq(
+        removed
+            .publish(log_publish(&topic, 4, with_epoch(&c_commit, e + 3)))
+            .await
+            .unwrap(),
+    );
+    for w in [&wa, &wb] {
+        assert_eq!(w.skipped_at(g, s1).await, SkipReason::Stranger);
+        assert_eq!(w.skipped_at(g, s2).await, SkipReason::Stranger);
+    }
+    carry_on(&a, &[&a, &b], &[&wb], g, b"after the removed member").await;
+
+    assert_eq!(
+        wa.stranded() + wb.stranded() + wc.stranded(),
+        0,
+        "nobody stranded"
+    );
+    for d in [&a, &b] {
+        assert!(d.manager().record(g).unwrap().poison >= 4);
+    }
+}
+
+// ---------------------------------------------------------------------------
+// 4. A store that fails under a pull
+// ---------------------------------------------------------------------------
+
+/// While a member's store refuses writes, its pulls fail and its cursor
+/// stays before the commit it could not apply; once writes work again it
+/// applies that commit (and the message that waited for it) and agrees with
+/// the others: no fork.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pull_that_cannot_write_keeps_its_cursor_and_recovers_without_a_fork() {
+    let hubs = hubs(1).await;
+    let u = urls(&hubs);
+    let a = TestDevice::open(&u).await.unwrap();
+    let faulty = FaultyKv::switch();
+    let b = TestDevice::open_with_store(device_options(&u), faulty.store_wrap())
+        .await
+        .unwrap();
+    let (wa, wb) = (Watch::new(&a), Watch::new(&b));
+    let g = group_of(&a, &[(&b, &wb)], &u).await;
+    let (e, _) = agree(&[&a, &b], g).await;
+    let cursor = b.manager().record(g).unwrap().cursor();
+
+    faulty.fail(true);
+    let r = a.rotate_keys(g).await.unwrap();
+    assert_eq!(r.outcome.seq, cursor + 1);
+    a.send(g, b"sent while b could not write").await.unwrap();
+    // b tries (the push) and fails; nothing of the commit stays, not even
+    // in memory.
+    eventually("b to try a write", || faulty.refused() > 0).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let stays = |what: &str| {
+        let rec = b.manager().record(g).unwrap();
+        assert_eq!(
+            rec.cursors.get(&u[0]).copied().unwrap_or(0),
+            cursor,
+            "{what}: the cursor did not move past the unapplied commit"
+        );
+    };
+    stays("after the push");
+    assert_eq!(b.epoch(g).await.unwrap(), e, "the merge was not kept");
+    // A pull asked directly fails on the store, and changes nothing either.
+    let err = b.manager().pull(g).await.unwrap_err();
+    assert!(
+        matches!(err, hubsync::device::lane::PullError::Store(_)),
+        "a store failure, got {err:?}"
+    );
+    stays("after a direct pull");
+    assert_eq!(b.epoch(g).await.unwrap(), e);
+    assert_eq!(wb.got(g, b"sent while b could not write"), 0);
+
+    faulty.fail(false);
+    let (e1, _) = agree(&[&a, &b], g).await;
+    assert_eq!(e1, e + 1);
+    assert_eq!(b.manager().record(g).unwrap().cursor(), cursor + 1);
+    wb.until_message(g, b"sent while b could not write").await;
+    b.rotate_keys(g).await.unwrap();
+    let (e2, _) = agree(&[&a, &b], g).await;
+    assert_eq!(e2, e + 2);
+    message_reaches(&b, &[&wa], g, b"b is back").await;
+    assert_eq!(wb.got(g, b"sent while b could not write"), 1);
+    assert_eq!(wa.stranded() + wb.stranded(), 0);
+}
+
+// ---------------------------------------------------------------------------
+// 5. Hubs that lose or restore their store
+// ---------------------------------------------------------------------------
+
+/// A hub restarted on an empty store: members notice it rewound, read it
+/// from the start, and the group commits and messages on through it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hub_restarted_empty_is_noticed_and_the_group_carries_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let hub = hub_at(dir.path(), "127.0.0.1:0").await;
+    let addr = hub.addr().to_string();
+    let u = vec![hub.url().to_string()];
+    let a = TestDevice::open(&u).await.unwrap();
+    let b = TestDevice::open(&u).await.unwrap();
+    let (wa, wb) = (Watch::new(&a), Watch::new(&b));
+    let g = group_of(&a, &[(&b, &wb)], &u).await;
+    a.rotate_keys(g).await.unwrap();
+    let (e, _) = agree(&[&a, &b], g).await;
+    assert!(b.manager().record(g).unwrap().cursor() >= 2);
+
+    hub.stop().await;
+    let empty = tempfile::tempdir().unwrap();
+    let _hub = hub_at(empty.path(), &addr).await;
+
+    let r = a.rotate_keys(g).await.unwrap();
+    assert_eq!(r.outcome.seq, 1, "the first frame of the new store");
+    assert_eq!(r.outcome.epoch, e + 1);
+    let (e1, _) = agree(&[&a, &b], g).await;
+    assert_eq!(e1, e + 1);
+    assert!(wa.rewound(&u[0]) >= 1, "a noticed the rewind");
+    assert!(wb.rewound(&u[0]) >= 1, "b noticed the rewind");
+    let r = b.rotate_keys(g).await.unwrap();
+    assert_eq!((r.outcome.seq, r.outcome.epoch), (2, e + 2));
+    agree(&[&a, &b], g).await;
+    message_reaches(&a, &[&wb], g, b"after the empty restart").await;
+    message_reaches(&b, &[&wa], g, b"reply").await;
+    assert_eq!(wa.stranded() + wb.stranded(), 0);
+}
+
+/// A hub restarted on an older copy of its own store (same store identity,
+/// heads gone back): members notice the head below their cursor, and the
+/// group commits and messages on through it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hub_restored_from_an_older_copy_is_noticed_and_the_group_carries_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let hub = hub_at(dir.path(), "127.0.0.1:0").await;
+    let addr = hub.addr().to_string();
+    let u = vec![hub.url().to_string()];
+    let a = TestDevice::open(&u).await.unwrap();
+    let b = TestDevice::open(&u).await.unwrap();
+    let (wa, wb) = (Watch::new(&a), Watch::new(&b));
+    let g = group_of(&a, &[(&b, &wb)], &u).await;
+    agree(&[&a, &b], g).await;
+    let old_head = a.manager().record(g).unwrap().cursor();
+
+    hub.stop().await;
+    let copy = tempfile::tempdir().unwrap();
+    copy_dir(dir.path(), copy.path());
+    let hub = hub_at(dir.path(), &addr).await;
+    a.rotate_keys(g).await.unwrap();
+    b.rotate_keys(g).await.unwrap();
+    let (e, _) = agree(&[&a, &b], g).await;
+    assert_eq!(b.manager().record(g).unwrap().cursor(), old_head + 2);
+    hub.stop().await;
+    let _hub = hub_at(copy.path(), &addr).await;
+
+    let r = a.rotate_keys(g).await.unwrap();
+    assert_eq!(
+        (r.outcome.seq, r.outcome.epoch),
+        (old_head + 1, e + 1),
+        "committed after the restored head, never compared against the old cursor"
+    );
+    let (e1, _) = agree(&[&a, &b], g).await;
+    assert_eq!(e1, e + 1);
+    assert!(wa.rewound(&u[0]) >= 1, "a noticed the rewind");
+    assert!(wb.rewound(&u[0]) >= 1, "b noticed the rewind");
+    b.rotate_keys(g).await.unwrap();
+    let (e2, _) = agree(&[&a, &b], g).await;
+    assert_eq!(e2, e + 2);
+    message_reaches(&a, &[&wb], g, b"after the restore").await;
+    message_reaches(&b, &[&wa], g, b"reply").await;
+    assert_eq!(wa.stranded() + wb.stranded(), 0);
+}
+
+/// A member offline while its hub lost its store, during which the group
+/// committed as many times as that member had read: its cursor is no
+/// longer above the new head, so only the hub's new store identity can
+/// tell it the log it reads is another one (DESIGN.md section 9: "a device
+/// that sees a new identity, or a log head below its own cursor ... reports
+/// the hub as rewound ... and re-reads"). It must notice, read the new log
+/// from its start, and stay in the group.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_offline_while_the_hub_lost_its_store_still_notices_the_new_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let hub = hub_at(dir.path(), "127.0.0.1:0").await;
+    let addr = hub.addr().to_string();
+    let u = vec![hub.url().to_string()];
+    let a = TestDevice::open(&u).await.unwrap();
+    let mut b = TestDevice::open(&u).await.unwrap();
+    let wb = Watch::new(&b);
+    let g = group_of(&a, &[(&b, &wb)], &u).await;
+    let (e, _) = agree(&[&a, &b], g).await;
+    let cursor = b.manager().record(g).unwrap().cursor();
+    assert_eq!(cursor, 1, "one commit so far: the invite");
+
+    b.close().await;
+    hub.stop().await;
+    let empty = tempfile::tempdir().unwrap();
+    let _hub = hub_at(empty.path(), &addr).await;
+    let r = a.rotate_keys(g).await.unwrap();
+    assert_eq!((r.outcome.seq, r.outcome.epoch), (1, e + 1));
+
+    b.reopen().await.unwrap();
+    let wb = Watch::new(&b);
+    a.rotate_keys(g).await.unwrap();
+    // Either b reaches a's epoch, or it takes a's second commit as evidence
+    // that it was left behind.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        assert_eq!(
+            wb.stranded(),
+            0,
+            "b missed the new store's first commit (its cursor {cursor} equals the new \
+             head) and took the next one as evidence that it was left behind"
+        );
+        if b.epoch(g).await.unwrap() == e + 2 {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "b never caught up");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (e2, _) = agree(&[&a, &b], g).await;
+    assert_eq!(e2, e + 2);
+    assert!(wb.rewound(&u[0]) >= 1, "b noticed the new store");
+}
+
+// ---------------------------------------------------------------------------
+// 6. Ledger authority
+// ---------------------------------------------------------------------------
+
+fn not_authorized(r: Result<hubsync::device::LaneResult, CommitError>, who: DeviceId) {
+    match r {
+        Err(CommitError::Ledger(LedgerError::NotAuthorized { author, .. })) => {
+            assert_eq!(author, who)
+        }
+        other => panic!("expected NotAuthorized, got {other:?}"),
+    }
+}
+
+/// A member who is not an admin can neither invite nor remove: the ledger
+/// refuses before anything is built, and nothing reaches the hub.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_who_is_not_an_admin_cannot_invite_or_remove_and_nothing_is_published() {
+    let hubs = hubs(1).await;
+    let u = urls(&hubs);
+    let a = TestDevice::open(&u).await.unwrap();
+    let b = TestDevice::open(&u).await.unwrap();
+    let c = TestDevice::open(&u).await.unwrap();
+    let wb = Watch::new(&b);
+    let g = group_of(&a, &[(&b, &wb)], &u).await;
+    let (e, _) = agree(&[&a, &b], g).await;
+    let reader = hubs[0].client(&signing_key(902)).await.unwrap();
+    let topic = topic_of(&a, g);
+    let head = reader.fetch(&topic, 0, 1).await.unwrap().head;
+
+    tokio::time::sleep(Duration::from_millis(300)).await; // c's key packages
+    not_authorized(b.invite(g, c.id()).await, b.id());
+    not_authorized(b.remove(g, a.id()).await, b.id());
+    not_authorized(b.set_setting(g, "name", b"mine").await, b.id());
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(reader.fetch(&topic, 0, 1).await.unwrap().head, head);
+    let (e1, _) = agree(&[&a, &b], g).await;
+    assert_eq!(e1, e, "the epoch did not move");
+    assert_eq!(a.members(g).await.unwrap().len(), 2);
+    // What any member may do, it may: its own settings and keys.
+    b.set_setting(g, "self.nick", b"bee").await.unwrap();
+    b.rotate_keys(g).await.unwrap();
+    let (e2, _) = agree(&[&a, &b], g).await;
+    assert_eq!(e2, e + 2);
+    assert_eq!(
+        a.settings(g)
+            .unwrap()
+            .members
+            .get(&(b.id(), "self.nick".to_string()))
+            .map(|s| s.value.clone()),
+        Some(b"bee".to_vec())
+    );
+}
+
+/// An admin can make a member an admin, who can then invite; once revoked,
+/// it cannot any more. Every member's ledger agrees at each step.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_granted_admin_can_invite_and_a_revoked_one_cannot() {
+    let hubs = hubs(1).await;
+    let u = urls(&hubs);
+    let a = TestDevice::open(&u).await.unwrap();
+    let b = TestDevice::open(&u).await.unwrap();
+    let c = TestDevice::open(&u).await.unwrap();
+    let d = TestDevice::open(&u).await.unwrap();
+    let (wb, wc) = (Watch::new(&b), Watch::new(&c));
+    let g = group_of(&a, &[(&b, &wb)], &u).await;
+    agree(&[&a, &b], g).await;
+    tokio::time::sleep(Duration::from_millis(300)).await; // key packages
+    not_authorized(b.invite(g, c.id()).await, b.id());
+
+    a.grant_admin(g, b.id()).await.unwrap();
+    agree(&[&a, &b], g).await;
+    assert!(b.ledger_view(g).unwrap().admins.contains(&b.id()));
+    invite_with_retry(&b, g, c.id()).await;
+    wc.until(
+        "c joins",
+        |e| matches!(e, Event::GroupJoined { group, .. } if *group == g),
+    )
+    .await;
+    agree(&[&a, &b, &c], g).await;
+    assert_eq!(c.members(g).await.unwrap().len(), 3);
+
+    a.revoke_admin(g, b.id()).await.unwrap();
+    agree(&[&a, &b, &c], g).await;
+    for x in [&a, &b, &c] {
+        let admins = x.ledger_view(g).unwrap().admins;
+        assert!(admins.contains(&a.id()) && !admins.contains(&b.id()));
+    }
+    let (e, _) = agree(&[&a, &b, &c], g).await;
+    not_authorized(b.invite(g, d.id()).await, b.id());
+    not_authorized(b.remove(g, c.id()).await, b.id());
+    let (e1, _) = agree(&[&a, &b, &c], g).await;
+    assert_eq!(e1, e);
+    assert_eq!(a.members(g).await.unwrap().len(), 3);
+}
+
+/// The last admin cannot be revoked (the group would have nobody to run
+/// it); once another admin exists it can step down.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn revoking_the_last_admin_is_refused() {
+    let hubs = hubs(1).await;
+    let u = urls(&hubs);
+    let a = TestDevice::open(&u).await.unwrap();
+    let b = TestDevice::open(&u).await.unwrap();
+    let wb = Watch::new(&b);
+    let g = group_of(&a, &[(&b, &wb)], &u).await;
+    let (e, _) = agree(&[&a, &b], g).await;
+    assert_eq!(
+        a.revoke_admin(g, a.id()).await.unwrap_err(),
+        CommitError::Ledger(LedgerError::LastAdmin)
+    );
+    let (e1, _) = agree(&[&a, &b], g).await;
+    assert_eq!(e1, e);
+    a.grant_admin(g, b.id()).await.unwrap();
+    a.revoke_admin(g, a.id()).await.unwrap();
+    agree(&[&a, &b], g).await;
+    let admins = a.ledger_view(g).unwrap().admins;
+    assert_eq!(admins.into_iter().collect::<Vec<_>>(), vec![b.id()]);
+    assert_eq!(
+        b.revoke_admin(g, b.id()).await.unwrap_err(),
+        CommitError::Ledger(LedgerError::LastAdmin)
+    );
+}
+
+/// `set_commit_hub` moves every member's commits to the other bound hub:
+/// each member's record names it, and the next commits are on its commit
+/// topic, not the old hub's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn set_commit_hub_moves_every_members_commits_to_the_new_hub() {
+    let hubs = hubs(2).await;
+    let u = urls(&hubs);
+    let a = TestDevice::open(&u).await.unwrap();
+    let b = TestDevice::open(&u).await.unwrap();
+    let (wa, wb) = (Watch::new(&a), Watch::new(&b));
+    let g = group_of(&a, &[(&b, &wb)], &u).await;
+    agree(&[&a, &b], g).await;
+    assert_eq!(a.manager().record(g).unwrap().commit_hub, u[0]);
+    let topic = topic_of(&a, g);
+    let r1 = hubs[0].client(&signing_key(903)).await.unwrap();
+    let r2 = hubs[1].client(&signing_key(903)).await.unwrap();
+
+    let moved = a.set_commit_hub(g, &u[1]).await.unwrap();
+    let old_head = r1.fetch(&topic, 0, 1).await.unwrap().head;
+    assert_eq!(
+        old_head,
+        Some(moved.outcome.seq),
+        "the move itself went the old way"
+    );
+    for d in [&a, &b] {
+        eventually("every member follows the move", || {
+            d.manager().record(g).unwrap().commit_hub == u[1]
+        })
+        .await;
+    }
+    agree(&[&a, &b], g).await;
+
+    let r = b.rotate_keys(g).await.unwrap();
+    let f = r2.fetch(&topic, 0, 10).await.unwrap();
+    assert_eq!(f.messages.len(), 1, "the first commit on the new hub");
+    assert_eq!(f.messages[0].seq, r.outcome.seq);
+    assert_eq!(f.messages[0].sender, b.id());
+    let r = a.rotate_keys(g).await.unwrap();
+    assert_eq!(r.outcome.seq, 2);
+    assert_eq!(r2.fetch(&topic, 0, 10).await.unwrap().head, Some(2));
+    assert_eq!(
+        r1.fetch(&topic, 0, 1).await.unwrap().head,
+        old_head,
+        "nothing more on the old commit hub"
+    );
+    agree(&[&a, &b], g).await;
+    message_reaches(&a, &[&wb], g, b"moved").await;
+    assert_eq!(wa.stranded() + wb.stranded(), 0);
+}
+
+/// `bind_hub` brings a new hub to every member: each has a peer for it,
+/// and messages travel it (shown with the first hub down).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bind_hub_brings_the_hub_to_every_member_and_messages_travel_it() {
+    let mut hubs = hubs(2).await;
+    let u = urls(&hubs);
+    let a = TestDevice::open(&u[..1]).await.unwrap();
+    let b = TestDevice::open(&u[..1]).await.unwrap();
+    let wb = Watch::new(&b);
+    let g = group_of(&a, &[(&b, &wb)], &u[..1]).await;
+    agree(&[&a, &b], g).await;
+    assert!(b.manager().peer(g, &u[1]).is_none());
+
+    a.bind_hub(g, &u[1]).await.unwrap();
+    agree(&[&a, &b], g).await;
+    for d in [&a, &b] {
+        eventually("a peer for the new hub", || {
+            d.manager().peer(g, &u[1]).is_some()
+        })
+        .await;
+        assert_eq!(d.manager().record(g).unwrap().hubs, u.clone());
+        assert_eq!(d.ledger_view(g).unwrap().hubs, u.clone());
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await; // subscriptions
+    hubs.remove(0).stop().await;
+    message_reaches(&a, &[&wb], g, b"over the bound hub").await;
+}
+
+/// The commit hub cannot be unbound (every commit needs it); another hub
+/// can, and every member drops its peer there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unbinding_the_commit_hub_is_refused_and_another_hub_unbinds() {
+    let hubs = hubs(2).await;
+    let u = urls(&hubs);
+    let a = TestDevice::open(&u).await.unwrap();
+    let b = TestDevice::open(&u).await.unwrap();
+    let wb = Watch::new(&b);
+    let g = group_of(&a, &[(&b, &wb)], &u).await;
+    let (e, _) = agree(&[&a, &b], g).await;
+    assert_eq!(
+        a.unbind_hub(g, &u[0]).await.unwrap_err(),
+        CommitError::Ledger(LedgerError::CommitHubUnbind(u[0].clone()))
+    );
+    let (e1, _) = agree(&[&a, &b], g).await;
+    assert_eq!(e1, e);
+    a.unbind_hub(g, &u[1]).await.unwrap();
+    agree(&[&a, &b], g).await;
+    for d in [&a, &b] {
+        eventually("the peer goes", || d.manager().peer(g, &u[1]).is_none()).await;
+        assert_eq!(d.manager().record(g).unwrap().hubs, vec![u[0].clone()]);
+    }
+}
+
+// ---------------------------------------------------------------------------
+// 7. No hub at all
+// ---------------------------------------------------------------------------
+
+/// A group created with no hub commits through the device's loopback hub;
+/// binding a real hub later moves its commits there, and invites work.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_with_no_hub_commits_through_the_loopback_hub_until_one_is_bound() {
+    let hubs = hubs(1).await;
+    let u = urls(&hubs);
+    let a = TestDevice::open(&u).await.unwrap();
+    let b = TestDevice::open(&u).await.unwrap();
+    let (wa, wb) = (Watch::new(&a), Watch::new(&b));
+    let g = a.create_group(&[]).await.unwrap();
+    let rec = a.manager().record(g).unwrap();
+    assert_eq!(rec.commit_hub, LOOPBACK_HUB);
+    assert!(rec.hubs.is_empty());
+    assert_eq!(
+        a.invite(g, b.id()).await.unwrap_err(),
+        CommitError::NoHubs(g),
+        "nobody else can reach a loopback hub"
+    );
+
+    let r = a.rotate_keys(g).await.unwrap();
+    assert_eq!(
+        (r.outcome.epoch, r.outcome.seq, r.outcome.attempts),
+        (1, 1, 1)
+    );
+    let r = a.bind_hub(g, &u[0]).await.unwrap();
+    assert_eq!(
+        (r.outcome.epoch, r.outcome.seq),
+        (2, 2),
+        "bound through the loopback hub"
+    );
+    let rec = a.manager().record(g).unwrap();
+    assert_eq!(rec.hubs, u.clone());
+    assert_eq!(rec.commit_hub, u[0], "commits move to the bound hub");
+
+    invite_with_retry(&a, g, b.id()).await;
+    wb.until(
+        "b joins",
+        |e| matches!(e, Event::GroupJoined { group, .. } if *group == g),
+    )
+    .await;
+    let (e, _) = agree(&[&a, &b], g).await;
+    assert_eq!(e, 3);
+    let r = b.rotate_keys(g).await.unwrap();
+    assert_eq!(r.outcome.seq, 2, "the second commit on the real hub");
+    let reader = hubs[0].client(&signing_key(904)).await.unwrap();
+    let f = reader.fetch(&topic_of(&a, g), 0, 10).await.unwrap();
+    let senders: Vec<DeviceId> = f.messages.iter().map(|m| m.sender).collect();
+    assert_eq!(senders, vec![a.id(), b.id()], "the invite and b's rotation");
+    agree(&[&a, &b], g).await;
+    message_reaches(&a, &[&wb], g, b"no longer alone").await;
+    message_reaches(&b, &[&wa], g, b"hello").await;
+}
+
+// ---------------------------------------------------------------------------
+// 8. Isolation
+// ---------------------------------------------------------------------------
+
+/// One group's commit waiting on a slow commit hub holds up nothing else:
+/// twenty other groups of the same device commit and exchange messages
+/// while it waits, and all of them finish before it returns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_waiting_on_a_slow_hub_holds_up_no_other_group() {
+    let hubs = hubs(2).await;
+    let u = urls(&hubs);
+    let gate = Arc::new(Gate::default());
+    let mut oa = device_options(&u[..1]);
+    oa.connector = Arc::new(GatedConnector::new(&u[1], gate.clone()));
+    oa.manager.commit_deadline = Duration::from_secs(180);
+    let a = TestDevice::open_with(oa).await.unwrap();
+    // Twenty invites claim twenty key packages (see the test of the last
+    // resort package below for why the pool must hold them all).
+    let mut ob = device_options(&u[..1]);
+    ob.manager.key_packages = 25;
+    let b = TestDevice::open_with(ob).await.unwrap();
+    let (wa, wb) = (Watch::new(&a), Watch::new(&b));
+    let slow = a.create_group(&u[1..]).await.unwrap();
+    let r = a.rotate_keys(slow).await.unwrap();
+    assert_eq!(r.outcome.epoch, 1, "the slow hub works before it is held");
+    let mut groups = Vec::new();
+    for _ in 0..20 {
+        groups.push(group_of(&a, &[(&b, &wb)], &u[..1]).await);
+    }
+    for g in &groups {
+        agree(&[&a, &b], *g).await;
+    }
+
+    gate.hold();
+    let order = AtomicUsize::new(0);
+    let slow_commit = async {
+        let r = a.rotate_keys(slow).await;
+        (r, order.fetch_add(1, SeqCst))
+    };
+    let others = async {
+        // Let the slow commit start and block on its hub first.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let work = futures::future::join_all(groups.iter().enumerate().map(|(i, g)| {
+            let (a, b, wa, wb, order) = (&a, &b, &wa, &wb, &order);
+            async move {
+                let r = a.rotate_keys(*g).await.unwrap();
+                assert_eq!(r.outcome.epoch, 2);
+                let ping = format!("ping {i}");
+                a.send(*g, ping.as_bytes()).await.unwrap();
+                wb.until_message(*g, ping.as_bytes()).await;
+                let pong = format!("pong {i}");
+                b.send(*g, pong.as_bytes()).await.unwrap();
+                wa.until_message(*g, pong.as_bytes()).await;
+                order.fetch_add(1, SeqCst)
+            }
+        }));
+        let done = tokio::time::timeout(Duration::from_secs(60), work)
+            .await
+            .expect("the twenty groups waited on the slow group's commit");
+        assert!(gate.is_held());
+        gate.release();
+        done
+    };
+    let ((slow_result, slow_at), done) = tokio::join!(slow_commit, others);
+    assert_eq!(done.len(), 20);
+    assert_eq!(
+        slow_at, 20,
+        "the slow commit returned before the twenty groups were done"
+    );
+    let r = slow_result.unwrap();
+    assert_eq!((r.outcome.epoch, r.outcome.seq), (2, 2), "and it landed");
+    for g in &groups {
+        let (e, _) = agree(&[&a, &b], *g).await;
+        assert_eq!(e, 2);
+    }
+}
+
+/// A device whose pool of key packages ran out can still be invited: the
+/// hub hands out its reusable last-resort package, which must be one an
+/// inviter accepts (or the device restocks its pool when it runs low, not
+/// only when it reconnects; DESIGN.md sections 2 and 9).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_device_whose_pool_ran_out_can_still_be_invited_with_its_last_resort_package() {
+    let hubs = hubs(1).await;
+    let u = urls(&hubs);
+    let a = TestDevice::open(&u).await.unwrap();
+    let mut ob = device_options(&u);
+    ob.manager.key_packages = 1;
+    let b = TestDevice::open_with(ob).await.unwrap();
+    let wb = Watch::new(&b);
+    let g1 = group_of(&a, &[(&b, &wb)], &u).await;
+    agree(&[&a, &b], g1).await;
+    // The pool's one package is spent; the hub now answers the last resort.
+    let g2 = a.create_group(&u).await.unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    let r = loop {
+        match a.invite(g2, b.id()).await {
+            Err(CommitError::NoKeyPackage(_)) if tokio::time::Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(100)).await
+            }
+            r => break r,
+        }
+    };
+    assert!(
+        r.is_ok(),
+        "the last-resort package was refused (or none was restocked): {r:?}"
+    );
+    wb.until(
+        "b joins the second group",
+        |e| matches!(e, Event::GroupJoined { group, .. } if *group == g2),
+    )
+    .await;
+    agree(&[&a, &b], g2).await;
+}
