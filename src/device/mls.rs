@@ -22,7 +22,12 @@ pub use super::topics::APP_TOPIC_LABEL;
 pub fn capabilities() -> Capabilities {
     Capabilities::builder()
         .credentials(vec![CredentialType::Basic])
-        .extensions(vec![ExtensionType::Unknown(EXTENSION_TYPE)])
+        .extensions(vec![
+            ExtensionType::Unknown(EXTENSION_TYPE),
+            // A last-resort key package marks itself with this extension;
+            // a leaf must declare every extension it carries.
+            ExtensionType::LastResort,
+        ])
         .build()
 }
 

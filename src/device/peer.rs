@@ -644,6 +644,7 @@ impl GroupPeerManager {
             topic_seed: ext.topic_seed,
             ledger_complete: complete,
             merged: Vec::new(),
+            cursor_stores: std::collections::BTreeMap::new(),
         };
         let mut b = op.take_batch();
         self.shared.records.put_group(&mut b, &rec);
@@ -734,6 +735,7 @@ impl GroupPeerManager {
             topic_seed,
             ledger_complete: true,
             merged: Vec::new(),
+            cursor_stores: std::collections::BTreeMap::new(),
         };
         let mut b = WriteBatch::new();
         self.shared.records.put_group(&mut b, &rec);

@@ -71,6 +71,11 @@ pub struct GroupRecord {
     /// The commits this device merged at its last few epochs: what tells a
     /// replayed frame (history) from a competing one (fork).
     pub merged: Vec<MergedCommit>,
+    /// Per hub: the store identity its cursor was read from. A hub that
+    /// answers with another identity lost its store: the cursor means
+    /// nothing there and is reset before anything is compared against it.
+    #[serde(default)]
+    pub cursor_stores: BTreeMap<String, crate::wire::StoreId>,
 }
 
 /// One commit this device merged, remembered to judge frames of its epoch.
@@ -125,6 +130,7 @@ impl GroupRecord {
     /// forget positions learned there.
     pub fn rewind(&mut self, hub: &str) {
         self.cursors.insert(hub.to_string(), 0);
+        self.cursor_stores.remove(hub);
         for m in self.merged.iter_mut().filter(|m| m.hub == hub) {
             m.seq = None;
         }

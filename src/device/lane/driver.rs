@@ -74,6 +74,9 @@ impl GroupPeerManager {
         let mut lane = Lane::new(start, deadline);
         let mut lost = None;
         let mut refusal = None;
+        // The epoch the caller's commit was built at: it lands at the next
+        // one, whatever other commits merged by the time we report.
+        let mut built_epoch = None;
         loop {
             if self.shared.shutdown.is_cancelled() {
                 return Err(CommitError::Stopped);
@@ -123,6 +126,9 @@ impl GroupPeerManager {
                         lane.on_answer(Instant::now(), Answer::Lost);
                         continue;
                     };
+                    if !replay {
+                        built_epoch = Some(entry.epoch);
+                    }
                     lane.on_sent();
                     let (answer, refused) = self.publish_journalled(group, &entry, replay).await?;
                     if refused.is_some() {
@@ -151,9 +157,13 @@ impl GroupPeerManager {
                 Action::Done(f) => {
                     return match f {
                         Finish::Landed { seq, attempts } => {
-                            let mut guard = self.shared.registry.lock(group).await;
-                            let epoch = guard.read(|g| g.epoch().as_u64())?;
-                            drop(guard);
+                            let epoch = match built_epoch {
+                                Some(e) => e + 1,
+                                None => {
+                                    let mut guard = self.shared.registry.lock(group).await;
+                                    guard.read(|g| g.epoch().as_u64())?
+                                }
+                            };
                             self.shared.counters.commits.fetch_add(1, Ordering::Relaxed);
                             Ok(Some(LaneResult {
                                 outcome: CommitReport {

@@ -214,6 +214,23 @@ impl GroupPeerManager {
                     url: hub.clone(),
                     source,
                 })?;
+            // The store the answer came from: a cursor read on another
+            // store of this hub says nothing about this one.
+            let store = *link.store_id().borrow();
+            if let Some(store) = store {
+                match seen.cursor_stores.get(&hub) {
+                    Some(known) if *known != store => {
+                        self.rewound(group, &hub).await?;
+                        self.note_cursor_store(group, &hub, store).await?;
+                        continue;
+                    }
+                    Some(_) => {}
+                    None => {
+                        self.note_cursor_store(group, &hub, store).await?;
+                        continue;
+                    }
+                }
+            }
             if f.head.unwrap_or(0) < cursor {
                 // The hub holds less than we already read: it lost or
                 // restored its store. Never compare-and-set against it;
@@ -262,6 +279,20 @@ impl GroupPeerManager {
             self.save_record(guard, rec)?;
             self.emit(Event::Stranded { group: rec.id });
         }
+        Ok(())
+    }
+
+    /// Record which store of `hub` the group's cursor there is read from.
+    async fn note_cursor_store(
+        &self,
+        group: GroupId,
+        hub: &str,
+        store: crate::wire::StoreId,
+    ) -> Result<(), PullError> {
+        let mut guard = self.shared.registry.lock(group).await;
+        let mut rec = self.record(group)?;
+        rec.cursor_stores.insert(hub.to_string(), store);
+        self.save_record(&mut guard, &rec)?;
         Ok(())
     }
 
