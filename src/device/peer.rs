@@ -645,6 +645,7 @@ impl GroupPeerManager {
             ledger_complete: complete,
             merged: Vec::new(),
             cursor_stores: std::collections::BTreeMap::new(),
+            cursor_digests: std::collections::BTreeMap::new(),
         };
         let mut b = op.take_batch();
         self.shared.records.put_group(&mut b, &rec);
@@ -736,6 +737,7 @@ impl GroupPeerManager {
             ledger_complete: true,
             merged: Vec::new(),
             cursor_stores: std::collections::BTreeMap::new(),
+            cursor_digests: std::collections::BTreeMap::new(),
         };
         let mut b = WriteBatch::new();
         self.shared.records.put_group(&mut b, &rec);

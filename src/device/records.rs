@@ -76,6 +76,11 @@ pub struct GroupRecord {
     /// nothing there and is reset before anything is compared against it.
     #[serde(default)]
     pub cursor_stores: BTreeMap<String, crate::wire::StoreId>,
+    /// Per hub: SHA-256 of the frame at the cursor. A pull first checks
+    /// that the hub still holds that very frame there: a hub restored from
+    /// an older copy whose head climbed back past our cursor holds another.
+    #[serde(default)]
+    pub cursor_digests: BTreeMap<String, [u8; 32]>,
 }
 
 /// One commit this device merged, remembered to judge frames of its epoch.
@@ -88,12 +93,19 @@ pub struct MergedCommit {
     /// The hub it was read from or published to.
     pub hub: String,
     /// Its position there; `None` once the hub rewound (positions from
-    /// before a rewind say nothing about positions after it).
+    /// before a rewind say nothing about positions after it) until the
+    /// frame is met again on the rewound log.
     pub seq: Option<u64>,
+    /// The frame itself, so a hub that lost it can be given it back.
+    #[serde(default)]
+    pub payload: Vec<u8>,
 }
 
 /// Merged commits remembered per group.
 pub const MERGED_KEPT: usize = 16;
+
+/// Of those, how many keep their frame (to heal a rewound hub).
+pub const PAYLOADS_KEPT: usize = 4;
 
 /// How many app topics a group keeps reading: enough to cover every epoch
 /// whose messages are still readable (a roster change at each of them at
@@ -121,9 +133,12 @@ impl GroupRecord {
 
     /// Move `hub`'s cursor to `seq` (never backwards; a rewind resets it
     /// with [`GroupRecord::rewind`]).
-    pub fn advance(&mut self, hub: &str, seq: u64) {
+    pub fn advance(&mut self, hub: &str, seq: u64, digest: [u8; 32]) {
         let c = self.cursors.entry(hub.to_string()).or_insert(0);
-        *c = (*c).max(seq);
+        if seq >= *c {
+            *c = seq;
+            self.cursor_digests.insert(hub.to_string(), digest);
+        }
     }
 
     /// `hub` lost or restored its store: read it again from the start, and
@@ -131,6 +146,7 @@ impl GroupRecord {
     pub fn rewind(&mut self, hub: &str) {
         self.cursors.insert(hub.to_string(), 0);
         self.cursor_stores.remove(hub);
+        self.cursor_digests.remove(hub);
         for m in self.merged.iter_mut().filter(|m| m.hub == hub) {
             m.seq = None;
         }
@@ -143,6 +159,13 @@ impl GroupRecord {
         if self.merged.len() > MERGED_KEPT {
             let cut = self.merged.len() - MERGED_KEPT;
             self.merged.drain(..cut);
+        }
+        // Frames are kept only for the last few commits: enough to give a
+        // rewound hub back what it lost in a short window, without making
+        // the record (rewritten on every frame) large.
+        let keep_from = self.merged.len().saturating_sub(PAYLOADS_KEPT);
+        for k in &mut self.merged[..keep_from] {
+            k.payload = Vec::new();
         }
     }
 

@@ -207,8 +207,15 @@ impl GroupPeerManager {
             let cursor = seen.cursor();
             let link = self.hub_link(&hub);
             let topic = topics::commit_topic(&seen.topic_seed);
-            let f = link
-                .fetch(&topic, cursor, PAGE)
+            // Read from the frame at our cursor when we know its digest: the
+            // hub must still hold that very frame there.
+            let verify = match seen.cursor_digests.get(&hub) {
+                Some(d) if cursor > 0 => Some(*d),
+                _ => None,
+            };
+            let after = if verify.is_some() { cursor - 1 } else { cursor };
+            let mut f = link
+                .fetch(&topic, after, PAGE)
                 .await
                 .map_err(|source| PullError::Hub {
                     url: hub.clone(),
@@ -238,6 +245,35 @@ impl GroupPeerManager {
                 self.rewound(group, &hub).await?;
                 continue;
             }
+            if let Some(d) = verify {
+                match f.messages.first() {
+                    Some(first) if first.seq == cursor => {
+                        if digest(&first.payload) != d {
+                            // Another frame where ours was: restored from
+                            // an older copy, and written past us again.
+                            self.rewound(group, &hub).await?;
+                            continue;
+                        }
+                        f.messages.remove(0);
+                        // The frame at the cursor was there: a trim that
+                        // took only older frames is no gap for us.
+                        f.gap = false;
+                    }
+                    _ if f.oldest.is_some_and(|o| o > cursor) => {
+                        // Our frame was trimmed away: nothing to compare
+                        // with; read on from the cursor as before.
+                        let mut rec = self.record(group)?;
+                        let mut guard = self.shared.registry.lock(group).await;
+                        rec.cursor_digests.remove(&hub);
+                        self.save_record(&mut guard, &rec)?;
+                        continue;
+                    }
+                    _ => {
+                        self.rewound(group, &hub).await?;
+                        continue;
+                    }
+                }
+            }
             if f.gap {
                 let mut guard = self.shared.registry.lock(group).await;
                 let mut rec = self.record(group)?;
@@ -247,6 +283,13 @@ impl GroupPeerManager {
                 return Ok(Pulled::Stranded);
             }
             if f.messages.is_empty() {
+                let lost_here = seen
+                    .merged
+                    .iter()
+                    .any(|k| k.hub == hub && k.seq.is_none() && !k.payload.is_empty());
+                if lost_here && self.heal(group, &hub, &link, &topic, f.head).await? {
+                    continue;
+                }
                 return Ok(Pulled::CaughtUp);
             }
             // Read the current epoch's messages before moving on: an epoch
@@ -280,6 +323,78 @@ impl GroupPeerManager {
             self.emit(Event::Stranded { group: rec.id });
         }
         Ok(())
+    }
+
+    /// Give a rewound hub back the commits this device merged that its log
+    /// lost, in epoch order, each under the compare-and-set and the publish
+    /// id its committer used, so members that had not read them before the
+    /// rewind still can, and nobody builds another commit at their epoch.
+    /// Several members healing at once is harmless: the same frame under
+    /// the same id answers `duplicate`. A different commit already at one
+    /// of those positions means the group went the other way: the next
+    /// pull judges it (a fork this device lost). Answers whether anything
+    /// was published.
+    async fn heal(
+        &self,
+        group: GroupId,
+        hub: &str,
+        link: &HubLink,
+        topic: &TopicId,
+        head: Option<u64>,
+    ) -> Result<bool, PullError> {
+        let rec = self.record(group)?;
+        // Only what comes after everything the log still holds of ours.
+        let kept = rec
+            .merged
+            .iter()
+            .filter(|k| k.hub == hub && k.seq.is_some())
+            .map(|k| k.epoch)
+            .max();
+        let mut lost: Vec<&MergedCommit> = rec
+            .merged
+            .iter()
+            .filter(|k| {
+                k.hub == hub
+                    && k.seq.is_none()
+                    && !k.payload.is_empty()
+                    && kept.is_none_or(|e| k.epoch > e)
+            })
+            .collect();
+        lost.sort_by_key(|k| k.epoch);
+        let mut head = head;
+        let mut healed = false;
+        for k in lost {
+            let publish = crate::wire::Publish {
+                topic: topic.clone(),
+                publish_id: crate::device::frames::publish_id(&k.digest, topic),
+                class: crate::wire::RetentionClass::Log,
+                expected_head: match head {
+                    Some(h) => crate::wire::ExpectedHead::Seq(h),
+                    None => crate::wire::ExpectedHead::Empty,
+                },
+                replay_only: false,
+                retention_secs: None,
+                payload: k.payload.clone(),
+            };
+            let outcome = link
+                .publish(publish)
+                .await
+                .map_err(|source| PullError::Hub {
+                    url: hub.to_string(),
+                    source,
+                })?;
+            match outcome {
+                crate::wire::PublishOutcome::Accepted { seq, .. }
+                | crate::wire::PublishOutcome::Duplicate { seq } => {
+                    tracing::info!(%group, hub, epoch = k.epoch, seq, "gave a rewound hub back a commit it lost");
+                    head = Some(seq);
+                    healed = true;
+                }
+                crate::wire::PublishOutcome::HeadMismatch { .. }
+                | crate::wire::PublishOutcome::HistoryMissing => break,
+            }
+        }
+        Ok(healed)
     }
 
     /// Record which store of `hub` the group's cursor there is read from.
@@ -345,10 +460,23 @@ impl GroupPeerManager {
                     .find(|k| k.epoch == e)
                     .map(|k| MergedThere {
                         same_commit: k.digest == d,
-                        frame_is_earlier: k.hub == hub && k.seq.is_some_and(|s| m.seq < s),
+                        // On the log we read, a different commit at an epoch we
+                        // merged comes first when ours sits later, or is not
+                        // there at all (the hub rewound and lost it: the log
+                        // is what the group goes by).
+                        frame_is_earlier: k.hub == hub && k.seq.is_none_or(|s| m.seq < s),
                     })
             }),
         };
+        // Meeting a commit we merged again (a rewound log re-read): learn
+        // where it sits on this store.
+        if let Some(k) = rec
+            .merged
+            .iter_mut()
+            .find(|k| k.digest == d && k.hub == hub && k.seq.is_none())
+        {
+            k.seq = Some(m.seq);
+        }
         match classify(&facts, ours) {
             Verdict::Adopt => {
                 let Some(j) = journal else {
@@ -359,7 +487,7 @@ impl GroupPeerManager {
                 Ok(self.after_apply(rec, &before))
             }
             Verdict::Skip(reason) => {
-                self.skip(guard, rec, hub, m.seq, reason)?;
+                self.skip(guard, rec, hub, m, reason)?;
                 Ok(Applied::Next)
             }
             Verdict::ForkLost | Verdict::Ahead | Verdict::OwnUnmerged => {
@@ -384,11 +512,12 @@ impl GroupPeerManager {
         guard: &mut GroupGuard,
         rec: &mut GroupRecord,
         hub: &str,
-        seq: u64,
+        m: &LogFrame,
         reason: SkipReason,
     ) -> Result<(), PullError> {
+        let seq = m.seq;
         guard.discard();
-        rec.advance(hub, seq);
+        rec.advance(hub, seq, digest(&m.payload));
         if reason != SkipReason::History {
             rec.poison += 1;
             self.shared.counters.poison.fetch_add(1, Ordering::Relaxed);
@@ -438,7 +567,7 @@ impl GroupPeerManager {
                 return Err(PullError::Store(RegistryError::Store(e.to_string())));
             }
             Err(e) => {
-                self.skip(guard, rec, hub, m.seq, SkipReason::Refused(e.to_string()))?;
+                self.skip(guard, rec, hub, m, SkipReason::Refused(e.to_string()))?;
                 return Ok(Applied::Next);
             }
         };
@@ -449,19 +578,19 @@ impl GroupPeerManager {
                 guard,
                 rec,
                 hub,
-                m.seq,
+                m,
                 SkipReason::Refused("not a commit".into()),
             )?;
             return Ok(Applied::Next);
         };
         if let Err(reason) = check_leaves(guard, &staged, &sender) {
-            self.skip(guard, rec, hub, m.seq, SkipReason::ForeignLeaf(reason))?;
+            self.skip(guard, rec, hub, m, SkipReason::ForeignLeaf(reason))?;
             return Ok(Applied::Next);
         }
         let entries = match self.check_ledger(guard, rec, &staged, &aad, sealed) {
             Ok(e) => e,
             Err(reason) => {
-                self.skip(guard, rec, hub, m.seq, SkipReason::LedgerRefused(reason))?;
+                self.skip(guard, rec, hub, m, SkipReason::LedgerRefused(reason))?;
                 return Ok(Applied::Next);
             }
         };
@@ -504,6 +633,7 @@ impl GroupPeerManager {
                 hub,
                 seq: m.seq,
                 digest: digest(&m.payload),
+                payload: m.payload.clone(),
                 entries: entries.iter().map(Entry::encode).collect(),
                 roster,
             },
@@ -630,6 +760,7 @@ impl GroupPeerManager {
                 hub: &j.hub,
                 seq,
                 digest: digest(&j.payload),
+                payload: j.payload.clone(),
                 entries: j.entries.clone(),
                 roster: j.roster,
             },
@@ -650,12 +781,13 @@ impl GroupPeerManager {
         l: Landing<'_>,
         mut b: WriteBatch,
     ) -> Result<(), PullError> {
-        rec.advance(l.hub, l.seq);
+        rec.advance(l.hub, l.seq, l.digest);
         rec.remember(MergedCommit {
             epoch: l.epoch,
             digest: l.digest,
             hub: l.hub.to_string(),
             seq: Some(l.seq),
+            payload: l.payload,
         });
         let ledger_changed = !l.entries.is_empty() && rec.ledger_complete;
         if ledger_changed {
@@ -802,6 +934,7 @@ struct Landing<'a> {
     hub: &'a str,
     seq: u64,
     digest: [u8; 32],
+    payload: Vec<u8>,
     entries: Vec<Vec<u8>>,
     roster: bool,
 }
