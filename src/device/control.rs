@@ -396,7 +396,8 @@ impl GroupPeerManager {
     }
 
     /// Queue the Welcome of a landed invite for every hub of the group, in
-    /// the caller's batch (with the merge). The envelope carries the
+    /// the caller's batch (with the merge), and answer the publish (kept with
+    /// the merged commit, to post again to a hub that loses it). The envelope carries the
     /// inviter's whole ledger (`ledger_entries`, including this commit's) sealed under the joiner's first epoch, which the guard's
     /// group has just reached.
     #[allow(clippy::too_many_arguments)]
@@ -409,7 +410,7 @@ impl GroupPeerManager {
         joiner: DeviceId,
         welcome: &[u8],
         ledger_entries: &[Entry],
-    ) -> Result<(), CommitError> {
+    ) -> Result<Publish, CommitError> {
         let me = &self.shared.identity;
         let crypto = self.shared.registry.provider().crypto();
         let key = guard
@@ -449,6 +450,6 @@ impl GroupPeerManager {
                 CommitError::Store(super::registry::RegistryError::Store(e.to_string()))
             })?;
         }
-        Ok(())
+        Ok(publish)
     }
 }

@@ -555,6 +555,13 @@ impl GroupPeerManager {
         let kv = self.shared.registry.provider().kv();
         kv.apply(&b)?;
         kv.flush()?;
+        if known.is_some() {
+            // The key packages we kept there are gone with the store.
+            let link = self.hub_link(url);
+            if let Err(e) = self.restock_key_packages(&link).await {
+                tracing::warn!(hub = url, error = %e, "restock on a new hub store failed");
+            }
+        }
         Ok(())
     }
 

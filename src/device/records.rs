@@ -99,6 +99,10 @@ pub struct MergedCommit {
     /// The frame itself, so a hub that lost it can be given it back.
     #[serde(default)]
     pub payload: Vec<u8>,
+    /// The Welcome this device posted for the member the commit added, so
+    /// a hub that loses it can be given it again.
+    #[serde(default)]
+    pub welcome: Option<crate::wire::Publish>,
 }
 
 /// Merged commits remembered per group.
@@ -166,6 +170,7 @@ impl GroupRecord {
         let keep_from = self.merged.len().saturating_sub(PAYLOADS_KEPT);
         for k in &mut self.merged[..keep_from] {
             k.payload = Vec::new();
+            k.welcome = None;
         }
     }
 

@@ -418,8 +418,20 @@ impl GroupPeerManager {
         rec.rewind(hub);
         let mut b = WriteBatch::new();
         self.shared.records.reset_app_cursors(&mut b, &group, hub)?;
+        // Welcomes this device sent through that hub for its last invites
+        // may be gone with the store: post them again (the same publish id;
+        // a joiner that already joined ignores a repeat).
+        for k in &rec.merged {
+            if let Some(w) = &k.welcome {
+                self.shared
+                    .outbox
+                    .stage(&mut b, hub, w)
+                    .map_err(|e| PullError::Store(RegistryError::Store(e.to_string())))?;
+            }
+        }
         self.shared.records.put_group(&mut b, &rec);
         guard.finish(b)?;
+        self.shared.outbox.wake();
         tracing::warn!(%group, hub, "hub rewound: reading it again from the start");
         self.emit(Event::HubRewound {
             url: hub.to_string(),
@@ -634,6 +646,7 @@ impl GroupPeerManager {
                 seq: m.seq,
                 digest: digest(&m.payload),
                 payload: m.payload.clone(),
+                welcome: None,
                 entries: entries.iter().map(Entry::encode).collect(),
                 roster,
             },
@@ -747,10 +760,11 @@ impl GroupPeerManager {
         guard.merge_pending()?;
         let mut b = WriteBatch::new();
         self.shared.records.clear_journal(&mut b, &rec.id);
-        if let Some((joiner, welcome)) = &j.welcome {
+        let mut welcome = None;
+        if let Some((joiner, w)) = &j.welcome {
             let mut all = self.ledger_entries(rec.id)?;
             all.extend(j.entries.iter().filter_map(|e| Entry::decode(e).ok()));
-            self.stage_welcome(guard, &mut b, rec, seq, *joiner, welcome, &all)?;
+            welcome = Some(self.stage_welcome(guard, &mut b, rec, seq, *joiner, w, &all)?);
         }
         self.land_merged(
             guard,
@@ -761,6 +775,7 @@ impl GroupPeerManager {
                 seq,
                 digest: digest(&j.payload),
                 payload: j.payload.clone(),
+                welcome,
                 entries: j.entries.clone(),
                 roster: j.roster,
             },
@@ -788,6 +803,7 @@ impl GroupPeerManager {
             hub: l.hub.to_string(),
             seq: Some(l.seq),
             payload: l.payload,
+            welcome: l.welcome,
         });
         let ledger_changed = !l.entries.is_empty() && rec.ledger_complete;
         if ledger_changed {
@@ -935,6 +951,7 @@ struct Landing<'a> {
     seq: u64,
     digest: [u8; 32],
     payload: Vec<u8>,
+    welcome: Option<crate::wire::Publish>,
     entries: Vec<Vec<u8>>,
     roster: bool,
 }
