@@ -152,3 +152,20 @@ fn a_panic_anywhere_is_caught() {
     };
     assert!(invariants_broken(&cfg).contains(&"no-panic"));
 }
+
+/// No engine switch breaks the ledger, so this breaks one device's store
+/// from outside: it loses the last entry of its stored ledger, as an engine
+/// that failed to persist what a commit enacted would. Its folded ledger
+/// then ends at another head than the others'.
+#[test]
+fn a_device_whose_ledger_diverges_is_caught() {
+    let cfg = SimConfig {
+        breaks: Breaks {
+            forget_ledger_entry: true,
+            ..Breaks::default()
+        },
+        ..small(1)
+    };
+    let v = invariants_broken(&cfg);
+    assert!(v.contains(&"ledger-head"), "{v:?}");
+}
