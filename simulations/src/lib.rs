@@ -620,6 +620,29 @@ pub fn run_seed(cfg: &SimConfig) -> SeedReport {
                 .iter()
                 .map(|(t, d, e)| format!("{t} dev{d} {}", invariants::event_line(e))),
         );
+        let index: BTreeMap<DeviceId, usize> = ids.iter().map(|(i, d)| (*d, *i)).collect();
+        for f in &d.finals {
+            for g in &f.groups {
+                out.push(format!(
+                    "end dev{} ({}) {}: epoch {} auth {} cursor {} on {} hubs {:?} stranded {} ledger {}",
+                    index.get(&f.device).copied().unwrap_or(usize::MAX),
+                    &f.device.to_string()[..8],
+                    &g.group.to_string()[..8],
+                    g.epoch,
+                    hex::encode(&g.authenticator[..4.min(g.authenticator.len())]),
+                    g.commit_cursor,
+                    g.commit_hub,
+                    g.hubs,
+                    g.stranded,
+                    g.ledger_head
+                        .map(|h| hex::encode(&h[..4]))
+                        .unwrap_or_default()
+                ));
+            }
+        }
+        for (g, h) in &d.heads {
+            out.push(format!("end head {}: {h:?}", &g.to_string()[..8]));
+        }
         let _ = std::fs::write(path, out.join("\n"));
     }
     let mut h = Sha256::new();
