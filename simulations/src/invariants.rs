@@ -9,9 +9,9 @@ use std::sync::{Arc, Mutex, OnceLock};
 /// One broken invariant.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct Violation {
-    /// Which invariant: `convergence`, `membership`, `accepted-commits`,
-    /// `message-lost`, `message-duplicated`, `outbox-drained`, `no-panic`,
-    /// `quiescence`.
+    /// Which invariant: `convergence`, `ledger-head`, `membership`,
+    /// `accepted-commits`, `ledger-authority`, `message-lost`,
+    /// `message-duplicated`, `outbox-drained`, `no-panic`, `quiescence`.
     pub invariant: &'static str,
     /// The group, hex.
     pub group: Option<String>,
@@ -66,6 +66,50 @@ pub struct Sent {
     pub id: [u8; 16],
     /// The epoch it was encrypted in.
     pub epoch: u64,
+    /// Simulated ms when `send` returned.
+    pub at_ms: u64,
+}
+
+/// A commit whose operation returned `Ok`: its hub accepted it.
+#[derive(Clone, Debug)]
+pub struct Accepted {
+    /// The group.
+    pub group: GroupId,
+    /// The committer.
+    pub by: DeviceId,
+    /// The epoch the commit made.
+    pub epoch: u64,
+    /// The committer's commit hub right after the commit returned.
+    pub hub: String,
+    /// Simulated ms when the operation returned.
+    pub at_ms: u64,
+}
+
+/// A hub restarted from an older copy of its store, or from an empty one.
+#[derive(Clone, Debug)]
+pub struct Rewind {
+    /// The hub's URL.
+    pub hub: String,
+    /// Simulated ms when the copy was taken (0: an empty store).
+    pub snapshot_ms: u64,
+    /// Simulated ms when the hub went down to be restored.
+    pub at_ms: u64,
+}
+
+impl Rewind {
+    /// Whether this rewind can have erased a commit its hub accepted and
+    /// answered at `at_ms`: the copy predates it and the rewind follows it.
+    fn erases_commit(&self, hub: &str, at_ms: u64) -> bool {
+        self.hub == hub && self.snapshot_ms < at_ms && at_ms <= self.at_ms
+    }
+
+    /// Whether this rewind can have erased a message whose `send` returned
+    /// at `at_ms`: the outbox hands it to the hubs at some later moment,
+    /// which may fall between the copy and the rewind, so any rewind after
+    /// the send may have erased it on that hub.
+    fn erases_message(&self, hubs: &BTreeSet<String>, at_ms: u64) -> bool {
+        hubs.contains(&self.hub) && at_ms <= self.at_ms
+    }
 }
 
 /// One group as a device sees it at the end.
@@ -85,6 +129,12 @@ pub struct FinalGroup {
     pub commit_hub: String,
     /// Whether the device thinks it was left behind.
     pub stranded: bool,
+    /// The group's topic seed (the commit topic derives from it).
+    pub topic_seed: [u8; 32],
+    /// The hubs the group is bound to, as this device's record says.
+    pub hubs: Vec<String>,
+    /// The head of the device's folded ledger (`None`: it did not fold).
+    pub ledger_head: Option<[u8; 32]>,
 }
 
 /// One device at the end.
@@ -172,14 +222,38 @@ pub fn event_line(e: &Event) -> String {
     }
 }
 
-/// Check every invariant over the end state, the sends, and the events.
+/// What the run did, beside the end state, that the invariants judge.
+#[derive(Clone, Debug, Default)]
+pub struct History {
+    /// Messages whose `send` returned.
+    pub sent: Vec<Sent>,
+    /// Commits whose operation returned `Ok`.
+    pub accepted: Vec<Accepted>,
+    /// Hub rewinds, in order.
+    pub rewinds: Vec<Rewind>,
+    /// Every hub each group was bound to at some point (or asked to be).
+    pub hubs: BTreeMap<GroupId, BTreeSet<String>>,
+}
+
+/// What [`check`] excused because a rewind may have erased it.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Excused {
+    /// Accepted commits not judged.
+    pub commits: usize,
+    /// Missing deliveries not counted as lost.
+    pub deliveries: usize,
+}
+
+/// Check every invariant over the end state, the history, and the events.
 pub fn check(
     finals: &[FinalState],
     heads: &BTreeMap<GroupId, Option<u64>>,
-    sent: &[Sent],
+    history: &History,
     events: &[(u64, usize, Event)],
     ids: &BTreeMap<usize, DeviceId>,
-) -> Vec<Violation> {
+) -> (Vec<Violation>, Excused) {
+    let sent = &history.sent;
+    let mut excused = Excused::default();
     let mut v = Vec::new();
     let mut holders: BTreeMap<GroupId, Vec<(DeviceId, &FinalGroup)>> = BTreeMap::new();
     for f in finals {
@@ -206,6 +280,31 @@ pub fn check(
     }
 
     for (group, hs) in &holders {
+        // Ledger head: every holder folds its ledger to the same head. Judged
+        // even when the epochs disagree: it says whose ledger went astray.
+        let ledger_heads: BTreeSet<Option<[u8; 32]>> =
+            hs.iter().map(|(_, g)| g.ledger_head).collect();
+        if ledger_heads.len() > 1 || ledger_heads.contains(&None) {
+            let detail = hs
+                .iter()
+                .map(|(d, g)| {
+                    format!(
+                        "{}:{}",
+                        short(d),
+                        g.ledger_head
+                            .map(|h| hex::encode(&h[..4]))
+                            .unwrap_or_else(|| "unfoldable".into())
+                    )
+                })
+                .collect::<Vec<_>>()
+                .join(" ");
+            v.push(Violation::new(
+                "ledger-head",
+                Some(*group),
+                hs.iter().map(|(d, _)| *d).collect(),
+                detail,
+            ));
+        }
         // Convergence: one epoch, one authenticator (no fork survives).
         let states: BTreeSet<(u64, Vec<u8>)> = hs
             .iter()
@@ -248,7 +347,34 @@ pub fn check(
                 ),
             ));
         }
-        // Every accepted commit is in every member's history.
+        // Every commit an operation saw accepted is in every member's
+        // history: no member ends at an earlier epoch. A commit a rewind may
+        // have erased from its hub (accepted after the copy the hub was
+        // restored from, before the restore) is not judged.
+        let epoch = hs[0].1.epoch;
+        for a in history.accepted.iter().filter(|a| a.group == *group) {
+            if history
+                .rewinds
+                .iter()
+                .any(|r| r.erases_commit(&a.hub, a.at_ms))
+            {
+                excused.commits += 1;
+                continue;
+            }
+            if epoch < a.epoch {
+                v.push(Violation::new(
+                    "accepted-commits",
+                    Some(*group),
+                    vec![a.by],
+                    format!(
+                        "a commit accepted at epoch {} (at {} ms), the group ended at epoch {epoch}",
+                        a.epoch, a.at_ms
+                    ),
+                ));
+            }
+        }
+        // And every member applied the commit hub's log up to its head (as
+        // the hub holds it now, rewound or not).
         if let Some(Some(head)) = heads.get(group) {
             let behind: Vec<DeviceId> = hs
                 .iter()
@@ -322,6 +448,15 @@ pub fn check(
                 continue;
             }
             if got.get(&(i, m.group, m.id)).copied().unwrap_or(0) == 0 {
+                let bound = history.hubs.get(&m.group).cloned().unwrap_or_default();
+                if history
+                    .rewinds
+                    .iter()
+                    .any(|r| r.erases_message(&bound, m.at_ms))
+                {
+                    excused.deliveries += 1;
+                    continue;
+                }
                 v.push(Violation::new(
                     "message-lost",
                     Some(m.group),
@@ -335,7 +470,7 @@ pub fn check(
             }
         }
     }
-    v
+    (v, excused)
 }
 
 /// Records panics anywhere in the run (tokio catches a panicking task, so

@@ -11,14 +11,16 @@
 pub mod invariants;
 pub mod net;
 pub mod report;
+pub mod store;
 
 use hubsync::clock::Clock;
+use hubsync::device::lane::CommitError;
 use hubsync::device::{Device, DeviceOptions, Event, GroupId, Observer};
 use hubsync::hub::{Hub, HubConfig, Limits};
 use hubsync::kv::{KvStore, MemKv};
 use hubsync::rng::SharedRng;
 use hubsync::wire::DeviceId;
-use invariants::{FinalGroup, FinalState, Sent, Violation};
+use invariants::{Accepted, FinalGroup, FinalState, History, Rewind, Sent, Violation};
 use net::{SimConnector, SimListener};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha20Rng;
@@ -28,6 +30,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::rc::Rc;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use store::{HubStore, Snapshot};
 use tokio::sync::{mpsc, oneshot};
 
 /// Wall-clock time at the start of every simulated run (ms since the Unix
@@ -50,6 +53,13 @@ pub struct Faults {
     pub latency: bool,
     /// Break TCP connections mid-frame.
     pub drops: bool,
+    /// Restart a hub from an older snapshot of its durable store, or from
+    /// an empty store (a restore from backup, a lost data directory).
+    pub rewinds: bool,
+    /// Devices outside a group that learned its commit topic publish on it
+    /// (garbage, replayed commit frames, frames claiming far-future epochs),
+    /// and removed members keep publishing old commit frames.
+    pub strangers: bool,
 }
 
 impl Faults {
@@ -60,6 +70,8 @@ impl Faults {
         device_crashes: true,
         latency: true,
         drops: true,
+        rewinds: true,
+        strangers: true,
     };
     /// No fault.
     pub const NONE: Faults = Faults {
@@ -68,10 +80,12 @@ impl Faults {
         device_crashes: false,
         latency: false,
         drops: false,
+        rewinds: false,
+        strangers: false,
     };
 
     /// Parse `all`, `none`, or a comma list of `partitions,hub-crashes,
-    /// device-crashes,latency,drops`.
+    /// device-crashes,latency,drops,rewinds,strangers`.
     ///
     /// # Errors
     /// The unknown name.
@@ -89,6 +103,8 @@ impl Faults {
                 "device-crashes" => f.device_crashes = true,
                 "latency" => f.latency = true,
                 "drops" => f.drops = true,
+                "rewinds" => f.rewinds = true,
+                "strangers" => f.strangers = true,
                 other => return Err(format!("unknown fault {other:?}")),
             }
         }
@@ -107,6 +123,8 @@ impl Faults {
             (self.device_crashes, "device-crashes"),
             (self.latency, "latency"),
             (self.drops, "drops"),
+            (self.rewinds, "rewinds"),
+            (self.strangers, "strangers"),
         ] {
             if on {
                 v.push(name);
@@ -134,6 +152,11 @@ pub struct Breaks {
     pub no_pull: bool,
     /// Devices panic on every received message.
     pub panic_on_receive: bool,
+    /// Halfway through the workload, one member's store loses the last entry of its
+    /// stored ledger of the first group, as an engine that failed to
+    /// persist the entries a commit enacted would. (No engine switch
+    /// breaks the ledger; this breaks the device's store from outside.)
+    pub forget_ledger_entry: bool,
 }
 
 /// One run's parameters.
@@ -205,6 +228,15 @@ pub struct SeedReport {
     pub commits: usize,
     /// Faults injected.
     pub faults_injected: usize,
+    /// Hub rewinds among them (to an older copy or an empty store).
+    pub rewinds: usize,
+    /// Frames strangers and removed members published on commit topics.
+    pub stranger_frames: usize,
+    /// Admin operations tried by non-admins and refused by the ledger.
+    pub refused: usize,
+    /// Accepted commits and missing deliveries not judged because a rewind
+    /// may have erased them.
+    pub excused: usize,
     /// Simulated ms from the end of faults until every invariant's
     /// precondition held (converged, outboxes drained), if it did.
     pub converge_ms: Option<u64>,
@@ -212,18 +244,64 @@ pub struct SeedReport {
     pub sim_ms: u64,
 }
 
+/// A commit that landed: the epoch it made and the committer's commit hub
+/// right after.
+#[derive(Clone, Debug)]
+struct Landed {
+    epoch: u64,
+    hub: String,
+}
+
+/// Why an operation did not land; `ledger` when the ledger refused it
+/// (`CommitError::Ledger`).
+#[derive(Clone, Debug)]
+struct Refusal {
+    ledger: bool,
+    /// Shown in the trace (through `Debug`).
+    #[allow(dead_code)]
+    text: String,
+}
+
+/// What a commit operation answered.
+type Outcome = Result<Landed, Refusal>;
+
+type Answer = oneshot::Sender<Outcome>;
+
+/// One device's view of a group, for the driver's choices.
+#[derive(Clone, Debug)]
+struct View {
+    topic_seed: [u8; 32],
+    commit_hub: String,
+    /// Bound hubs, as the ledger says.
+    hubs: Vec<String>,
+}
+
 /// A request from the driver to one device host.
 enum Cmd {
     Create(Vec<String>, oneshot::Sender<Result<GroupId, String>>),
-    Invite(GroupId, DeviceId, oneshot::Sender<Result<u64, String>>),
-    Remove(GroupId, DeviceId, oneshot::Sender<Result<u64, String>>),
-    Rotate(GroupId, oneshot::Sender<Result<u64, String>>),
+    Invite(GroupId, DeviceId, Answer),
+    Remove(GroupId, DeviceId, Answer),
+    Grant(GroupId, DeviceId, Answer),
+    Revoke(GroupId, DeviceId, Answer),
+    Rotate(GroupId, Answer),
     Send(
         GroupId,
         Vec<u8>,
         oneshot::Sender<Result<([u8; 16], u64), String>>,
     ),
-    Bind(GroupId, String, bool, oneshot::Sender<Result<(), String>>),
+    Bind(GroupId, String, bool, Answer),
+    SetCommitHub(GroupId, String, Answer),
+    View(GroupId, oneshot::Sender<Option<View>>),
+    /// Publish, as this device, copies of up to `n` old frames of a commit
+    /// topic on a hub (a removed member that keeps writing); answers how
+    /// many were accepted.
+    Replay(
+        hubsync::wire::TopicId,
+        String,
+        usize,
+        u64,
+        oneshot::Sender<usize>,
+    ),
     State(oneshot::Sender<FinalState>),
 }
 
@@ -232,6 +310,13 @@ enum Cmd {
 enum Control {
     CrashHub(usize),
     RestartHub(usize),
+    /// Copy the hub's durable store (an operator's backup).
+    SnapshotHub(usize),
+    /// Crash the hub and put back its last copy, or an empty store.
+    RewindHub(usize, bool),
+    /// Delete the last stored ledger entry of a group from a device's
+    /// store (the `forget_ledger_entry` break).
+    ForgetLedgerEntry(usize, GroupId),
     CrashDevice(usize),
     RestartDevice(usize),
     Drops(bool),
@@ -244,6 +329,7 @@ struct World {
     events: Mutex<Vec<(u64, usize, Event)>>,
     control: Mutex<Vec<Control>>,
     ids: Mutex<BTreeMap<usize, DeviceId>>,
+    rewinds: Mutex<Vec<Rewind>>,
 }
 
 impl World {
@@ -313,6 +399,7 @@ pub fn run_seed(cfg: &SimConfig) -> SeedReport {
         events: Mutex::new(Vec::new()),
         control: Mutex::new(Vec::new()),
         ids: Mutex::new(BTreeMap::new()),
+        rewinds: Mutex::new(Vec::new()),
     });
     let mut builder = turmoil::Builder::new();
     builder
@@ -332,7 +419,8 @@ pub fn run_seed(cfg: &SimConfig) -> SeedReport {
     let mut sim = builder.build();
     let restarts: Restarts = Rc::default();
 
-    let hub_stores: Vec<MemKv> = (0..cfg.hubs).map(|_| MemKv::new()).collect();
+    let hub_stores: Vec<HubStore> = (0..cfg.hubs).map(|_| HubStore::new()).collect();
+    let mut snapshots: Vec<Option<(u64, Snapshot)>> = vec![None; cfg.hubs];
     for (i, store) in hub_stores.iter().enumerate() {
         let store = store.clone();
         let restarts = restarts.clone();
@@ -402,12 +490,51 @@ pub fn run_seed(cfg: &SimConfig) -> SeedReport {
                     hub_stores[i].crash();
                 }
                 Control::RestartHub(i) => sim.bounce(hub_name(i)),
+                Control::SnapshotHub(i) => {
+                    let at = sim.elapsed().as_millis() as u64;
+                    snapshots[i] = Some((at, hub_stores[i].snapshot()));
+                }
+                Control::RewindHub(i, empty) => {
+                    faults_injected += 1;
+                    sim.crash(hub_name(i));
+                    hub_stores[i].crash();
+                    let (snapshot_ms, snap) = match (&snapshots[i], empty) {
+                        (Some((at, snap)), false) => (*at, snap.clone()),
+                        _ => (0, Snapshot::new()),
+                    };
+                    hub_stores[i].restore(&snap);
+                    let at_ms = sim.elapsed().as_millis() as u64;
+                    world.trace(format!(
+                        "{at_ms} rewind hub{i} to the copy of {snapshot_ms} ms ({} keys)",
+                        snap.len()
+                    ));
+                    world
+                        .rewinds
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .push(Rewind {
+                            hub: hub_url(i),
+                            snapshot_ms,
+                            at_ms,
+                        });
+                }
                 Control::CrashDevice(i) => {
                     faults_injected += 1;
                     sim.crash(dev_name(i));
                     dev_stores[i].crash();
                 }
                 Control::RestartDevice(i) => sim.bounce(dev_name(i)),
+                Control::ForgetLedgerEntry(i, g) => {
+                    let mut prefix = b"eng/ledger/".to_vec();
+                    prefix.extend_from_slice(&g.0);
+                    let entries = dev_stores[i].scan_prefix(&prefix, usize::MAX);
+                    if let Some((k, _)) = entries.ok().and_then(|mut e| e.pop()) {
+                        let mut b = hubsync::kv::WriteBatch::new();
+                        b.delete(k);
+                        let _ = dev_stores[i].apply(&b);
+                        let _ = dev_stores[i].flush();
+                    }
+                }
                 Control::Drops(on) => {
                     if on {
                         faults_injected += 1;
@@ -449,16 +576,8 @@ pub fn run_seed(cfg: &SimConfig) -> SeedReport {
     for p in panics.take() {
         violations.push(Violation::new("no-panic", None, vec![], p));
     }
-    let (ops, ops_ok, sent, finals, heads, converge_ms, faults_from_driver) = match driver {
-        Some(d) => (
-            d.ops,
-            d.ops_ok,
-            d.sent,
-            d.finals,
-            d.heads,
-            d.converge_ms,
-            d.faults,
-        ),
+    let d = match driver {
+        Some(d) => d,
         None => {
             violations.push(Violation::new(
                 "no-panic",
@@ -466,11 +585,20 @@ pub fn run_seed(cfg: &SimConfig) -> SeedReport {
                 vec![],
                 "the driver did not finish".into(),
             ));
-            (0, 0, vec![], vec![], BTreeMap::new(), None, 0)
+            DriverResult::default()
         }
     };
     let ids = world.ids.lock().unwrap_or_else(|p| p.into_inner()).clone();
-    violations.extend(invariants::check(&finals, &heads, &sent, &events, &ids));
+    let mut history = d.history;
+    history.rewinds = world
+        .rewinds
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .clone();
+    violations.extend(d.violations);
+    let (found, excused) = invariants::check(&d.finals, &d.heads, &history, &events, &ids);
+    violations.extend(found);
+    let converge_ms = d.converge_ms;
     if converge_ms.is_none() && violations.is_empty() {
         violations.push(Violation::new(
             "quiescence",
@@ -492,6 +620,29 @@ pub fn run_seed(cfg: &SimConfig) -> SeedReport {
                 .iter()
                 .map(|(t, d, e)| format!("{t} dev{d} {}", invariants::event_line(e))),
         );
+        let index: BTreeMap<DeviceId, usize> = ids.iter().map(|(i, d)| (*d, *i)).collect();
+        for f in &d.finals {
+            for g in &f.groups {
+                out.push(format!(
+                    "end dev{} ({}) {}: epoch {} auth {} cursor {} on {} hubs {:?} stranded {} ledger {}",
+                    index.get(&f.device).copied().unwrap_or(usize::MAX),
+                    &f.device.to_string()[..8],
+                    &g.group.to_string()[..8],
+                    g.epoch,
+                    hex::encode(&g.authenticator[..4.min(g.authenticator.len())]),
+                    g.commit_cursor,
+                    g.commit_hub,
+                    g.hubs,
+                    g.stranded,
+                    g.ledger_head
+                        .map(|h| hex::encode(&h[..4]))
+                        .unwrap_or_default()
+                ));
+            }
+        }
+        for (g, h) in &d.heads {
+            out.push(format!("end head {}: {h:?}", &g.to_string()[..8]));
+        }
         let _ = std::fs::write(path, out.join("\n"));
     }
     let mut h = Sha256::new();
@@ -506,17 +657,21 @@ pub fn run_seed(cfg: &SimConfig) -> SeedReport {
         .iter()
         .filter(|(_, _, e)| matches!(e, Event::MessageReceived { .. }))
         .count();
-    let commits = finals.iter().map(|f| f.commits as usize).sum();
+    let commits = d.finals.iter().map(|f| f.commits as usize).sum();
     SeedReport {
         seed: cfg.seed,
         violations,
         trace_hash: hex::encode(h.finalize()),
-        ops,
-        ops_ok,
-        messages_sent: sent.len(),
+        ops: d.ops,
+        ops_ok: d.ops_ok,
+        messages_sent: history.sent.len(),
         deliveries,
         commits,
-        faults_injected: faults_injected + faults_from_driver,
+        faults_injected: faults_injected + d.faults,
+        rewinds: history.rewinds.len(),
+        stranger_frames: d.stranger_frames,
+        refused: d.refused,
+        excused: excused.commits + excused.deliveries,
         converge_ms,
         sim_ms,
     }
@@ -599,21 +754,47 @@ async fn device_host(
     }
 }
 
+fn landed(
+    d: &Device,
+    g: GroupId,
+    r: Result<hubsync::device::lane::LaneResult, CommitError>,
+) -> Result<Landed, Refusal> {
+    match r {
+        Ok(l) => Ok(Landed {
+            epoch: l.outcome.epoch,
+            hub: d
+                .manager()
+                .record(g)
+                .map(|r| r.commit_hub)
+                .unwrap_or_default(),
+        }),
+        Err(e) => Err(Refusal {
+            ledger: matches!(e, CommitError::Ledger(_)),
+            text: e.to_string(),
+        }),
+    }
+}
+
 async fn serve(d: Arc<Device>, cmd: Cmd) {
     let s = |e: hubsync::device::DeviceError| e.to_string();
-    let c = |e: hubsync::device::CommitError| e.to_string();
     match cmd {
         Cmd::Create(hubs, r) => {
             let _ = r.send(d.create_group(&hubs).await.map_err(s));
         }
         Cmd::Invite(g, who, r) => {
-            let _ = r.send(d.invite(g, who).await.map(|r| r.outcome.epoch).map_err(c));
+            let _ = r.send(landed(&d, g, d.invite(g, who).await));
         }
         Cmd::Remove(g, who, r) => {
-            let _ = r.send(d.remove(g, who).await.map(|r| r.outcome.epoch).map_err(c));
+            let _ = r.send(landed(&d, g, d.remove(g, who).await));
+        }
+        Cmd::Grant(g, who, r) => {
+            let _ = r.send(landed(&d, g, d.grant_admin(g, who).await));
+        }
+        Cmd::Revoke(g, who, r) => {
+            let _ = r.send(landed(&d, g, d.revoke_admin(g, who).await));
         }
         Cmd::Rotate(g, r) => {
-            let _ = r.send(d.rotate_keys(g).await.map(|r| r.outcome.epoch).map_err(c));
+            let _ = r.send(landed(&d, g, d.rotate_keys(g).await));
         }
         Cmd::Send(g, body, r) => {
             let _ = r.send(d.send(g, &body).await.map(|m| (m.id, m.epoch)).map_err(s));
@@ -624,12 +805,73 @@ async fn serve(d: Arc<Device>, cmd: Cmd) {
             } else {
                 d.unbind_hub(g, &hub).await
             };
-            let _ = r.send(res.map(|_| ()).map_err(c));
+            let _ = r.send(landed(&d, g, res));
+        }
+        Cmd::SetCommitHub(g, hub, r) => {
+            let _ = r.send(landed(&d, g, d.set_commit_hub(g, &hub).await));
+        }
+        Cmd::View(g, r) => {
+            let view = match (d.manager().record(g), d.ledger_view(g)) {
+                (Ok(rec), Ok(l)) => Some(View {
+                    topic_seed: rec.topic_seed,
+                    commit_hub: rec.commit_hub,
+                    hubs: l.hubs,
+                }),
+                _ => None,
+            };
+            let _ = r.send(view);
+        }
+        Cmd::Replay(topic, hub, n, pick, r) => {
+            let _ = r.send(replay_old_frames(&d, &topic, &hub, n, pick).await);
         }
         Cmd::State(r) => {
             let _ = r.send(final_state(&d).await);
         }
     }
+}
+
+/// A removed member at work: read the commit topic on `hub` through this
+/// device's own link and publish copies of old frames on it, as itself.
+async fn replay_old_frames(
+    d: &Device,
+    topic: &hubsync::wire::TopicId,
+    hub: &str,
+    n: usize,
+    pick: u64,
+) -> usize {
+    let link = d.manager().hub_link(hub);
+    let work = async {
+        let Ok(f) = link.fetch(topic, 0, 100).await else {
+            return 0;
+        };
+        if f.messages.is_empty() {
+            return 0;
+        }
+        let mut published = 0;
+        for k in 0..n {
+            let i = (pick as usize + k * 7) % f.messages.len();
+            let frame = &f.messages[i];
+            let mut op = pick.to_be_bytes().to_vec();
+            op.extend_from_slice(&(k as u64).to_be_bytes());
+            op.extend_from_slice(b"replay");
+            let p = hubsync::wire::Publish {
+                topic: topic.clone(),
+                publish_id: hubsync::device::frames::publish_id(&op, topic),
+                class: hubsync::wire::RetentionClass::Log,
+                expected_head: hubsync::wire::ExpectedHead::Unconditional,
+                replay_only: false,
+                retention_secs: None,
+                payload: frame.payload.clone(),
+            };
+            if let Ok(hubsync::wire::PublishOutcome::Accepted { .. }) = link.publish(p).await {
+                published += 1;
+            }
+        }
+        published
+    };
+    tokio::time::timeout(Duration::from_secs(10), work)
+        .await
+        .unwrap_or(0)
 }
 
 async fn final_state(d: &Device) -> FinalState {
@@ -651,6 +893,9 @@ async fn final_state(d: &Device) -> FinalState {
             commit_cursor: rec.cursor(),
             commit_hub: rec.commit_hub,
             stranded: rec.stranded,
+            topic_seed: rec.topic_seed,
+            hubs: rec.hubs,
+            ledger_head: d.ledger_view(g).ok().map(|l| l.head),
         });
     }
     let stats = d.stats();
@@ -662,14 +907,18 @@ async fn final_state(d: &Device) -> FinalState {
     }
 }
 
+#[derive(Default)]
 struct DriverResult {
     ops: usize,
     ops_ok: usize,
-    sent: Vec<Sent>,
+    history: History,
     finals: Vec<FinalState>,
     heads: BTreeMap<GroupId, Option<u64>>,
     converge_ms: Option<u64>,
     faults: usize,
+    stranger_frames: usize,
+    refused: usize,
+    violations: Vec<Violation>,
 }
 
 /// Ask a device something; `None` when it did not answer (crashed, or
@@ -686,18 +935,174 @@ async fn ask<T>(
 
 const OP_LIMIT: Duration = Duration::from_secs(90);
 
+/// The driver's belief about one device's admin rights in one group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Adm {
+    /// Certainly an admin (its grant returned `Ok`, or it created the group).
+    Yes,
+    /// Certainly not (never granted, or revoked or removed with `Ok`).
+    No,
+    /// An operation that would change it did not answer clearly.
+    Unknown,
+}
+
+/// The driver's belief about one group.
+struct GroupBelief {
+    id: GroupId,
+    members: BTreeSet<usize>,
+    admins: BTreeMap<usize, Adm>,
+}
+
+impl GroupBelief {
+    fn adm(&self, d: usize) -> Adm {
+        self.admins.get(&d).copied().unwrap_or(Adm::No)
+    }
+}
+
+/// Who performs an admin operation: usually a certain admin; sometimes a
+/// member certainly not an admin, whose attempt must be refused by the
+/// ledger (the second value says so).
+fn admin_actor(rng: &mut ChaCha20Rng, up: &[usize], g: &GroupBelief) -> (usize, bool) {
+    let yes: Vec<usize> = up
+        .iter()
+        .copied()
+        .filter(|d| g.adm(*d) == Adm::Yes)
+        .collect();
+    let no: Vec<usize> = up
+        .iter()
+        .copied()
+        .filter(|d| g.adm(*d) == Adm::No)
+        .collect();
+    if !no.is_empty() && (yes.is_empty() || rng.gen_bool(0.15)) {
+        return (no[rng.gen_range(0..no.len())], true);
+    }
+    if !yes.is_empty() {
+        return (yes[rng.gen_range(0..yes.len())], false);
+    }
+    (up[rng.gen_range(0..up.len())], false)
+}
+
+/// Frames a stranger publishes in one go.
+#[derive(Clone, Copy, Debug)]
+enum StrangerFrame {
+    Garbage(usize),
+    Replay(usize),
+    FutureEpoch(usize, u64),
+}
+
+/// Rewrite the epoch an MLS message (public or private) claims: after the
+/// version and wire format (two u16) come the group id (a variable-length
+/// vector) and the epoch (u64).
+fn claim_epoch(frame: &[u8], epoch: u64) -> Option<Vec<u8>> {
+    let wire_format = u16::from_be_bytes([*frame.get(2)?, *frame.get(3)?]);
+    if wire_format != 1 && wire_format != 2 {
+        return None;
+    }
+    let first = *frame.get(4)?;
+    let (len, n) = match first >> 6 {
+        0 => (usize::from(first & 0x3f), 1),
+        1 => (
+            (usize::from(first & 0x3f) << 8) | usize::from(*frame.get(5)?),
+            2,
+        ),
+        2 => (
+            u32::from_be_bytes([first & 0x3f, *frame.get(5)?, *frame.get(6)?, *frame.get(7)?])
+                as usize,
+            4,
+        ),
+        _ => return None,
+    };
+    let at = 4 + n + len;
+    let old = frame.get(at..at + 8)?;
+    let old = u64::from_be_bytes(old.try_into().ok()?);
+    let mut out = frame.to_vec();
+    out[at..at + 8].copy_from_slice(&old.saturating_add(epoch).to_be_bytes());
+    Some(out)
+}
+
+/// A stranger (its own key, no member) that learned a group's commit topic
+/// publishes on it: garbage, copies of old commit frames, frames claiming
+/// far-future epochs. Answers how many the hub accepted.
+async fn stranger_publishes(
+    key: &ed25519_dalek::SigningKey,
+    hub: &str,
+    topic: &hubsync::wire::TopicId,
+    frames: &[StrangerFrame],
+    nonce: u64,
+) -> usize {
+    let work = async {
+        let Ok(c) =
+            hubsync::client::HubClient::connect(&SimConnector, hub, key, Default::default()).await
+        else {
+            return 0;
+        };
+        let old = c
+            .fetch(topic, 0, 100)
+            .await
+            .map(|f| f.messages)
+            .unwrap_or_default();
+        let mut n = 0;
+        for (k, f) in frames.iter().enumerate() {
+            let payload = match *f {
+                StrangerFrame::Garbage(len) => {
+                    let mut h = Sha256::new();
+                    h.update(nonce.to_be_bytes());
+                    h.update((k as u64).to_be_bytes());
+                    h.finalize().iter().cycle().take(len).copied().collect()
+                }
+                StrangerFrame::Replay(i) if !old.is_empty() => old[i % old.len()].payload.clone(),
+                StrangerFrame::FutureEpoch(i, ahead) if !old.is_empty() => {
+                    match claim_epoch(&old[i % old.len()].payload, ahead) {
+                        Some(p) => p,
+                        None => continue,
+                    }
+                }
+                _ => continue,
+            };
+            let mut op = nonce.to_be_bytes().to_vec();
+            op.extend_from_slice(&(k as u64).to_be_bytes());
+            op.extend_from_slice(b"stranger");
+            let p = hubsync::wire::Publish {
+                topic: topic.clone(),
+                publish_id: hubsync::device::frames::publish_id(&op, topic),
+                class: hubsync::wire::RetentionClass::Log,
+                expected_head: hubsync::wire::ExpectedHead::Unconditional,
+                replay_only: false,
+                retention_secs: None,
+                payload,
+            };
+            if let Ok(hubsync::wire::PublishOutcome::Accepted { .. }) = c.publish(p).await {
+                n += 1;
+            }
+        }
+        c.close();
+        n
+    };
+    tokio::time::timeout(Duration::from_secs(10), work)
+        .await
+        .unwrap_or(0)
+}
+
+/// Whom an admin operation targets.
+fn pick_from(rng: &mut ChaCha20Rng, v: &[usize]) -> Option<usize> {
+    if v.is_empty() {
+        None
+    } else {
+        Some(v[rng.gen_range(0..v.len())])
+    }
+}
+
 async fn drive(cfg: SimConfig, devs: Vec<mpsc::Sender<Cmd>>, world: Arc<World>) -> DriverResult {
     let mut rng = ChaCha20Rng::seed_from_u64(mix(cfg.seed, 7, 7));
     // Let every host come up and stock its key packages.
     tokio::time::sleep(Duration::from_secs(2)).await;
     let ids: BTreeMap<usize, DeviceId> =
         world.ids.lock().unwrap_or_else(|p| p.into_inner()).clone();
-    let mut ops = 0usize;
-    let mut ok = 0usize;
-    let mut sent = Vec::new();
-    let mut faults = 0usize;
-    // The driver's belief about membership (devices' answers decide in the end).
-    let mut groups: Vec<(GroupId, BTreeSet<usize>)> = Vec::new();
+    let id_of = |d: usize| ids.get(&d).copied().unwrap_or(DeviceId([0; 32]));
+    let mut out = DriverResult::default();
+    // The driver's belief about membership and admin rights (devices'
+    // answers decide in the end).
+    let mut groups: Vec<GroupBelief> = Vec::new();
     for _ in 0..cfg.groups {
         let creator = rng.gen_range(0..cfg.devices);
         let mut hubs: Vec<String> = (0..cfg.hubs).map(hub_url).collect();
@@ -708,46 +1113,52 @@ async fn drive(cfg: SimConfig, devs: Vec<mpsc::Sender<Cmd>>, world: Arc<World>) 
         }
         hubs.truncate(rng.gen_range(1..=cfg.hubs));
         let r = ask(&devs[creator], OP_LIMIT, |r| Cmd::Create(hubs.clone(), r)).await;
-        ops += 1;
+        out.ops += 1;
         world.trace(format!(
             "{} create by dev{creator}: {:?}",
             now_ms(),
             r.as_ref().map(|x| x.is_ok())
         ));
         if let Some(Ok(g)) = r {
-            ok += 1;
-            groups.push((g, BTreeSet::from([creator])));
+            out.ops_ok += 1;
+            out.history
+                .hubs
+                .insert(g, hubs.iter().cloned().collect::<BTreeSet<_>>());
+            groups.push(GroupBelief {
+                id: g,
+                members: BTreeSet::from([creator]),
+                admins: BTreeMap::from([(creator, Adm::Yes)]),
+            });
         }
     }
     if groups.is_empty() {
-        return DriverResult {
-            ops,
-            ops_ok: ok,
-            sent,
-            finals: Vec::new(),
-            heads: BTreeMap::new(),
-            converge_ms: None,
-            faults,
-        };
+        return out;
     }
 
-    // Give each group a couple of members before the faults start.
-    for (gi, (g, members)) in groups.iter_mut().enumerate() {
-        let by = *members.iter().next().unwrap_or(&0);
+    // Give each group a couple of members before the faults start (the
+    // creator, its only admin, invites them).
+    for (gi, gb) in groups.iter_mut().enumerate() {
+        let by = *gb.members.iter().next().unwrap_or(&0);
         for _ in 0..rng.gen_range(1..=2usize) {
-            let outsiders: Vec<usize> = (0..cfg.devices).filter(|k| !members.contains(k)).collect();
-            if outsiders.is_empty() {
+            let outsiders: Vec<usize> = (0..cfg.devices)
+                .filter(|k| !gb.members.contains(k))
+                .collect();
+            let Some(who) = pick_from(&mut rng, &outsiders) else {
                 break;
-            }
-            let who = outsiders[rng.gen_range(0..outsiders.len())];
-            let Some(id) = ids.get(&who).copied() else {
-                continue;
             };
-            let r = ask(&devs[by], OP_LIMIT, |r| Cmd::Invite(*g, id, r)).await;
-            ops += 1;
-            if let Some(Ok(_)) = r {
-                ok += 1;
-                members.insert(who);
+            let g = gb.id;
+            let r = ask(&devs[by], OP_LIMIT, |r| Cmd::Invite(g, id_of(who), r)).await;
+            out.ops += 1;
+            if let Some(Ok(l)) = &r {
+                out.ops_ok += 1;
+                gb.members.insert(who);
+                out.history.accepted.push(Accepted {
+                    group: g,
+                    by: id_of(by),
+                    epoch: l.epoch,
+                    hub: l.hub.clone(),
+                    at_ms: now_ms(),
+                });
             }
             world.trace(format!(
                 "{} setup g{gi} invite dev{who} by dev{by} -> {r:?}",
@@ -756,10 +1167,24 @@ async fn drive(cfg: SimConfig, devs: Vec<mpsc::Sender<Cmd>>, world: Arc<World>) 
         }
     }
 
+    let mut key = [0u8; 32];
+    key[..8].copy_from_slice(&mix(cfg.seed, 11, 11).to_be_bytes());
+    let stranger = ed25519_dalek::SigningKey::from_bytes(&key);
+    let mut removed: Vec<(usize, usize)> = Vec::new();
+    let mut snapshotted: BTreeSet<usize> = BTreeSet::new();
     let mut crashed_devs: BTreeSet<usize> = BTreeSet::new();
     let mut crashed_hubs: BTreeSet<usize> = BTreeSet::new();
     let mut partitions: Vec<(String, String)> = Vec::new();
     for step in 0..cfg.ops {
+        if cfg.breaks.forget_ledger_entry && step == cfg.ops / 2 {
+            let victim = groups[0]
+                .members
+                .iter()
+                .copied()
+                .find(|d| groups[0].adm(*d) != Adm::Yes)
+                .unwrap_or(0);
+            world.control(Control::ForgetLedgerEntry(victim, groups[0].id));
+        }
         // Faults: each kind on its own schedule drawn from the seed.
         if cfg.faults.device_crashes && rng.gen_bool(0.08) {
             let i = rng.gen_range(0..cfg.devices);
@@ -776,6 +1201,22 @@ async fn drive(cfg: SimConfig, devs: Vec<mpsc::Sender<Cmd>>, world: Arc<World>) 
             let i = rng.gen_range(0..cfg.hubs);
             if crashed_hubs.insert(i) {
                 world.control(Control::CrashHub(i));
+            }
+        }
+        if cfg.faults.rewinds {
+            if rng.gen_bool(0.1) {
+                let i = rng.gen_range(0..cfg.hubs);
+                if !crashed_hubs.contains(&i) {
+                    snapshotted.insert(i);
+                    world.control(Control::SnapshotHub(i));
+                }
+            }
+            if rng.gen_bool(0.035) {
+                let i = rng.gen_range(0..cfg.hubs);
+                let empty = !snapshotted.contains(&i) || rng.gen_bool(0.25);
+                if crashed_hubs.insert(i) {
+                    world.control(Control::RewindHub(i, empty));
+                }
             }
         }
         if !crashed_hubs.is_empty() && rng.gen_bool(0.4) {
@@ -804,7 +1245,7 @@ async fn drive(cfg: SimConfig, devs: Vec<mpsc::Sender<Cmd>>, world: Arc<World>) 
                     world.trace(format!("{} isolate {h}", now_ms()));
                 }
             }
-            faults += 1;
+            out.faults += 1;
         }
         if !partitions.is_empty() && rng.gen_bool(0.25) {
             for (a, b) in partitions.drain(..) {
@@ -816,11 +1257,95 @@ async fn drive(cfg: SimConfig, devs: Vec<mpsc::Sender<Cmd>>, world: Arc<World>) 
             world.control(Control::Drops(rng.gen_bool(0.5)));
         }
 
+        // Strangers and removed members write on commit topics.
+        if cfg.faults.strangers {
+            if rng.gen_bool(0.12) {
+                let gi = rng.gen_range(0..groups.len());
+                let frames: Vec<StrangerFrame> = (0..rng.gen_range(1..=3))
+                    .map(|_| match rng.gen_range(0..3) {
+                        0 => StrangerFrame::Garbage(rng.gen_range(1..300)),
+                        1 => StrangerFrame::Replay(rng.gen_range(0..100)),
+                        _ => StrangerFrame::FutureEpoch(
+                            rng.gen_range(0..100),
+                            if rng.gen_bool(0.5) {
+                                rng.gen_range(1..5)
+                            } else {
+                                u64::MAX / 2
+                            },
+                        ),
+                    })
+                    .collect();
+                let nonce: u64 = rng.gen();
+                let other_hub = rng.gen_bool(0.2);
+                let up: Vec<usize> = groups[gi]
+                    .members
+                    .iter()
+                    .copied()
+                    .filter(|m| !crashed_devs.contains(m))
+                    .collect();
+                if let Some(m) = pick_from(&mut rng, &up) {
+                    let g = groups[gi].id;
+                    if let Some(Some(view)) =
+                        ask(&devs[m], Duration::from_secs(10), |r| Cmd::View(g, r)).await
+                    {
+                        let hub = if other_hub && !view.hubs.is_empty() {
+                            view.hubs[(nonce as usize) % view.hubs.len()].clone()
+                        } else {
+                            view.commit_hub.clone()
+                        };
+                        let topic = hubsync::device::topics::commit_topic(&view.topic_seed);
+                        let n = stranger_publishes(&stranger, &hub, &topic, &frames, nonce).await;
+                        out.stranger_frames += n;
+                        world.trace(format!(
+                            "{} stranger g{gi} on {hub}: {frames:?} -> {n} accepted",
+                            now_ms()
+                        ));
+                    }
+                }
+            }
+            if !removed.is_empty() && rng.gen_bool(0.15) {
+                let (gi, who) = removed[rng.gen_range(0..removed.len())];
+                let n = rng.gen_range(1..=3usize);
+                let pick: u64 = rng.gen();
+                let up: Vec<usize> = groups[gi]
+                    .members
+                    .iter()
+                    .copied()
+                    .filter(|m| !crashed_devs.contains(m))
+                    .collect();
+                let asker = pick_from(&mut rng, &up);
+                if let (Some(m), false, false) = (
+                    asker,
+                    crashed_devs.contains(&who),
+                    groups[gi].members.contains(&who),
+                ) {
+                    let g = groups[gi].id;
+                    if let Some(Some(view)) =
+                        ask(&devs[m], Duration::from_secs(10), |r| Cmd::View(g, r)).await
+                    {
+                        let topic = hubsync::device::topics::commit_topic(&view.topic_seed);
+                        let hub = view.commit_hub.clone();
+                        let k = ask(&devs[who], Duration::from_secs(20), |r| {
+                            Cmd::Replay(topic, hub.clone(), n, pick, r)
+                        })
+                        .await
+                        .unwrap_or(0);
+                        out.stranger_frames += k;
+                        world.trace(format!(
+                            "{} removed dev{who} replays {n} old frames of g{gi} on {hub} -> {k} accepted",
+                            now_ms()
+                        ));
+                    }
+                }
+            }
+        }
+
         // The operation, by members that are up (a crashed device cannot
         // take a command; one crashed mid-command simply never answers).
         let gi = rng.gen_range(0..groups.len());
-        let (g, members) = groups[gi].clone();
-        let member: Vec<usize> = members
+        let g = groups[gi].id;
+        let member: Vec<usize> = groups[gi]
+            .members
             .iter()
             .copied()
             .filter(|m| !crashed_devs.contains(m))
@@ -830,27 +1355,30 @@ async fn drive(cfg: SimConfig, devs: Vec<mpsc::Sender<Cmd>>, world: Arc<World>) 
         }
         let pick = |rng: &mut ChaCha20Rng| member[rng.gen_range(0..member.len())];
         let roll = rng.gen_range(0..100);
-        ops += 1;
-        let line = if roll < 45 {
+        out.ops += 1;
+        // An admin operation's actor, and whether the ledger must refuse it.
+        let mut attempt: Option<(usize, bool, Option<Outcome>)> = None;
+        let line = if roll < 40 {
             let by = pick(&mut rng);
             let body = format!("s{} m{step} from dev{by}", cfg.seed).into_bytes();
             let r = ask(&devs[by], OP_LIMIT, |r| Cmd::Send(g, body.clone(), r)).await;
             if let Some(Ok((id, epoch))) = r {
-                ok += 1;
-                sent.push(Sent {
+                out.ops_ok += 1;
+                out.history.sent.push(Sent {
                     group: g,
-                    sender: ids.get(&by).copied().unwrap_or(DeviceId([0; 32])),
+                    sender: id_of(by),
                     id,
                     epoch,
+                    at_ms: now_ms(),
                 });
             }
             format!("send dev{by} -> {:?}", r.map(|x| x.map(|v| v.1)))
-        } else if roll < 60 {
+        } else if roll < 52 {
             let by = pick(&mut rng);
             let r = ask(&devs[by], OP_LIMIT, |r| Cmd::Rotate(g, r)).await;
-            ok += usize::from(matches!(r, Some(Ok(_))));
+            attempt = Some((by, false, r.clone()));
             format!("rotate dev{by} -> {r:?}")
-        } else if roll < 70 {
+        } else if roll < 60 {
             // Several members commit at the same moment.
             let n = rng.gen_range(2..=3).min(member.len());
             let mut who = member.clone();
@@ -862,56 +1390,188 @@ async fn drive(cfg: SimConfig, devs: Vec<mpsc::Sender<Cmd>>, world: Arc<World>) 
                 .iter()
                 .map(|by| ask(&devs[*by], OP_LIMIT, |r| Cmd::Rotate(g, r)));
             let rs = futures::future::join_all(waits).await;
-            ok += usize::from(rs.iter().all(|r| matches!(r, Some(Ok(_)))));
-            format!("concurrent {who:?} -> {rs:?}")
-        } else if roll < 85 {
-            let by = pick(&mut rng);
-            let outsiders: Vec<usize> = (0..cfg.devices)
-                .filter(|k| !members.contains(k) && !crashed_devs.contains(k))
-                .collect();
-            if outsiders.is_empty() {
-                ops -= 1;
-                continue;
+            out.ops_ok += usize::from(rs.iter().all(|r| matches!(r, Some(Ok(_)))));
+            for (by, r) in who.iter().zip(&rs) {
+                if let Some(Ok(l)) = r {
+                    out.history.accepted.push(Accepted {
+                        group: g,
+                        by: id_of(*by),
+                        epoch: l.epoch,
+                        hub: l.hub.clone(),
+                        at_ms: now_ms(),
+                    });
+                }
             }
-            let who = outsiders[rng.gen_range(0..outsiders.len())];
-            let Some(id) = ids.get(&who).copied() else {
+            format!("concurrent {who:?} -> {rs:?}")
+        } else if roll < 73 {
+            let (by, refuse) = admin_actor(&mut rng, &member, &groups[gi]);
+            let outsiders: Vec<usize> = (0..cfg.devices)
+                .filter(|k| !groups[gi].members.contains(k) && !crashed_devs.contains(k))
+                .collect();
+            let Some(who) = pick_from(&mut rng, &outsiders) else {
+                out.ops -= 1;
                 continue;
             };
-            let r = ask(&devs[by], OP_LIMIT, |r| Cmd::Invite(g, id, r)).await;
+            let r = ask(&devs[by], OP_LIMIT, |r| Cmd::Invite(g, id_of(who), r)).await;
             if let Some(Ok(_)) = r {
-                ok += 1;
-                groups[gi].1.insert(who);
+                groups[gi].members.insert(who);
+                groups[gi].admins.insert(who, Adm::No);
             }
+            attempt = Some((by, refuse, r.clone()));
             format!("invite dev{who} by dev{by} -> {r:?}")
-        } else if roll < 93 {
+        } else if roll < 80 {
             if member.len() < 3 {
-                ops -= 1;
+                out.ops -= 1;
                 continue;
             }
-            let by = pick(&mut rng);
+            let (by, refuse) = admin_actor(&mut rng, &member, &groups[gi]);
             let who = pick(&mut rng);
             if who == by {
-                ops -= 1;
+                out.ops -= 1;
                 continue;
             }
-            let Some(id) = ids.get(&who).copied() else {
+            let r = ask(&devs[by], OP_LIMIT, |r| Cmd::Remove(g, id_of(who), r)).await;
+            match &r {
+                Some(Ok(_)) => {
+                    groups[gi].members.remove(&who);
+                    groups[gi].admins.insert(who, Adm::No);
+                    removed.push((gi, who));
+                }
+                Some(Err(e)) if e.ledger => {}
+                _ => {
+                    if groups[gi].adm(who) == Adm::Yes {
+                        groups[gi].admins.insert(who, Adm::Unknown);
+                    }
+                }
+            }
+            attempt = Some((by, refuse, r.clone()));
+            format!("remove dev{who} by dev{by} -> {r:?}")
+        } else if roll < 89 {
+            // Hub binding, through the ledger: bind a hub, move the commit
+            // hub to another bound hub, or unbind one that is not it.
+            let (by, refuse) = admin_actor(&mut rng, &member, &groups[gi]);
+            let Some(Some(view)) =
+                ask(&devs[by], Duration::from_secs(10), |r| Cmd::View(g, r)).await
+            else {
+                out.ops -= 1;
                 continue;
             };
-            let r = ask(&devs[by], OP_LIMIT, |r| Cmd::Remove(g, id, r)).await;
-            if let Some(Ok(_)) = r {
-                ok += 1;
-                groups[gi].1.remove(&who);
+            let unbound: Vec<String> = (0..cfg.hubs)
+                .map(hub_url)
+                .filter(|h| !view.hubs.contains(h))
+                .collect();
+            let others: Vec<String> = view
+                .hubs
+                .iter()
+                .filter(|h| **h != view.commit_hub)
+                .cloned()
+                .collect();
+            let choice = rng.gen_range(0..3);
+            let (what, hub) = if !unbound.is_empty() && (others.is_empty() || choice == 0) {
+                ("bind", unbound[rng.gen_range(0..unbound.len())].clone())
+            } else if !others.is_empty() && choice == 1 {
+                ("commit-hub", others[rng.gen_range(0..others.len())].clone())
+            } else if !others.is_empty() {
+                ("unbind", others[rng.gen_range(0..others.len())].clone())
+            } else {
+                out.ops -= 1;
+                continue;
+            };
+            if what == "bind" {
+                out.history.hubs.entry(g).or_default().insert(hub.clone());
             }
-            format!("remove dev{who} by dev{by} -> {r:?}")
+            let r = ask(&devs[by], OP_LIMIT, |r| match what {
+                "bind" => Cmd::Bind(g, hub.clone(), true, r),
+                "unbind" => Cmd::Bind(g, hub.clone(), false, r),
+                _ => Cmd::SetCommitHub(g, hub.clone(), r),
+            })
+            .await;
+            attempt = Some((by, refuse, r.clone()));
+            format!("{what} {hub} dev{by} -> {r:?}")
         } else {
-            let by = pick(&mut rng);
-            let hub = hub_url(rng.gen_range(0..cfg.hubs));
-            let on = rng.gen_bool(0.5);
-            let r = ask(&devs[by], OP_LIMIT, |r| Cmd::Bind(g, hub.clone(), on, r)).await;
-            ok += usize::from(matches!(r, Some(Ok(_))));
-            format!("bind {on} {hub} dev{by} -> {r:?}")
+            // Admin rights: grant to a member, or revoke from an admin.
+            let (by, refuse) = admin_actor(&mut rng, &member, &groups[gi]);
+            let all: Vec<usize> = groups[gi]
+                .members
+                .iter()
+                .copied()
+                .filter(|d| *d != by)
+                .collect();
+            let admins: Vec<usize> = all
+                .iter()
+                .copied()
+                .filter(|d| groups[gi].adm(*d) == Adm::Yes)
+                .collect();
+            let plain: Vec<usize> = all
+                .iter()
+                .copied()
+                .filter(|d| groups[gi].adm(*d) != Adm::Yes)
+                .collect();
+            let revoke = !admins.is_empty() && (plain.is_empty() || rng.gen_bool(0.4));
+            let Some(who) = pick_from(&mut rng, if revoke { &admins } else { &plain }) else {
+                out.ops -= 1;
+                continue;
+            };
+            let r = ask(&devs[by], OP_LIMIT, |r| {
+                if revoke {
+                    Cmd::Revoke(g, id_of(who), r)
+                } else {
+                    Cmd::Grant(g, id_of(who), r)
+                }
+            })
+            .await;
+            match &r {
+                Some(Ok(_)) => {
+                    groups[gi]
+                        .admins
+                        .insert(who, if revoke { Adm::No } else { Adm::Yes });
+                }
+                Some(Err(e)) if e.ledger => {}
+                _ => {
+                    groups[gi].admins.insert(who, Adm::Unknown);
+                }
+            }
+            attempt = Some((by, refuse, r.clone()));
+            format!(
+                "{} dev{who} by dev{by} -> {r:?}",
+                if revoke { "revoke" } else { "grant" }
+            )
         };
-        world.trace(format!("{} op {step} g{gi} {line}", now_ms()));
+        if let Some((by, refuse, r)) = &attempt {
+            let (by, refuse) = (*by, *refuse);
+            match r {
+                Some(Ok(l)) => {
+                    out.ops_ok += 1;
+                    out.history.accepted.push(Accepted {
+                        group: g,
+                        by: id_of(by),
+                        epoch: l.epoch,
+                        hub: l.hub.clone(),
+                        at_ms: now_ms(),
+                    });
+                    if refuse {
+                        out.violations.push(Violation::new(
+                            "ledger-authority",
+                            Some(g),
+                            vec![id_of(by)],
+                            format!(
+                                "op {step}: a member that is not an admin did an admin operation"
+                            ),
+                        ));
+                    }
+                }
+                Some(Err(e)) if refuse && e.ledger => out.refused += 1,
+                _ => {}
+            }
+        }
+        world.trace(format!(
+            "{} op {step} g{gi} {line}{}",
+            now_ms(),
+            match attempt {
+                Some((_, true, _)) => " (by a non-admin)",
+                _ => "",
+            }
+        ));
         tokio::time::sleep(Duration::from_millis(rng.gen_range(0..300))).await;
     }
 
@@ -932,7 +1592,6 @@ async fn drive(cfg: SimConfig, devs: Vec<mpsc::Sender<Cmd>>, world: Arc<World>) 
     // dead by its keepalive and resumed; then look.
     const QUIET: u64 = 45_000;
     const GIVE_UP: u64 = 300_000;
-    let mut converge_ms = None;
     let mut finals = Vec::new();
     loop {
         tokio::time::sleep(Duration::from_millis(500)).await;
@@ -945,43 +1604,36 @@ async fn drive(cfg: SimConfig, devs: Vec<mpsc::Sender<Cmd>>, world: Arc<World>) 
         }
         let since = now_ms() - healed_at;
         if invariants::settled(&finals) {
-            converge_ms.get_or_insert(since);
+            out.converge_ms.get_or_insert(since);
             if since >= QUIET {
                 break;
             }
         } else {
-            converge_ms = None;
+            out.converge_ms = None;
         }
         if since >= GIVE_UP {
             break;
         }
     }
-    let heads = commit_heads(&finals, cfg.seed).await;
-    DriverResult {
-        ops,
-        ops_ok: ok,
-        sent,
-        finals,
-        heads,
-        converge_ms,
-        faults,
-    }
+    out.heads = commit_heads(&finals, cfg.seed).await;
+    out.finals = finals;
+    out
 }
 
 /// The head of each group's commit log on its commit hub, read by an
 /// outside client.
 async fn commit_heads(finals: &[FinalState], seed: u64) -> BTreeMap<GroupId, Option<u64>> {
-    let mut hubs: BTreeMap<GroupId, String> = BTreeMap::new();
+    let mut hubs: BTreeMap<GroupId, (String, [u8; 32])> = BTreeMap::new();
     for f in finals {
         for g in &f.groups {
-            hubs.insert(g.group, g.commit_hub.clone());
+            hubs.insert(g.group, (g.commit_hub.clone(), g.topic_seed));
         }
     }
     let mut key = [0u8; 32];
     key[..8].copy_from_slice(&mix(seed, 9, 9).to_be_bytes());
     let key = ed25519_dalek::SigningKey::from_bytes(&key);
     let mut heads = BTreeMap::new();
-    for (g, hub) in hubs {
+    for (g, (hub, seed)) in hubs {
         let head = match hubsync::client::HubClient::connect(
             &SimConnector,
             &hub,
@@ -991,7 +1643,7 @@ async fn commit_heads(finals: &[FinalState], seed: u64) -> BTreeMap<GroupId, Opt
         .await
         {
             Ok(c) => c
-                .fetch(&hubsync::device::topics::commit_topic(&g.0), 0, 1)
+                .fetch(&hubsync::device::topics::commit_topic(&seed), 0, 1)
                 .await
                 .ok()
                 .and_then(|f| f.head),

@@ -33,7 +33,7 @@ struct Args {
     /// Workload operations per run.
     #[arg(long, default_value_t = 30)]
     ops: usize,
-    /// Faults: all, none, or a list of partitions,hub-crashes,device-crashes,latency,drops.
+    /// Faults: all, none, or a list of partitions,hub-crashes,device-crashes,latency,drops,rewinds,strangers.
     #[arg(long, default_value = "all")]
     faults: String,
     /// Where the report goes.
