@@ -56,6 +56,13 @@ impl GroupPeerManager {
         subject: Vec<u8>,
         value: Vec<u8>,
     ) -> Entry {
+        // After a restart the clock starts fresh: our next entry must still
+        // order after every one the group's ledger holds.
+        if let Ok(entries) = self.ledger_entries(group) {
+            if let Some(max) = entries.iter().map(|e| e.ord).max() {
+                self.shared.hlc.observe(max);
+            }
+        }
         let ord = self.shared.hlc.tick(self.shared.clock.now_ms());
         Entry::sign(
             kind,

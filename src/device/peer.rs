@@ -184,7 +184,7 @@ impl GroupPeerManager {
     /// once the subscription is in force (a frame published in between is
     /// then either in the log or pushed), retrying until it succeeds or the
     /// peer goes away.
-    fn spawn_catch_up(
+    pub(super) fn spawn_catch_up(
         &self,
         group: GroupId,
         hub: String,

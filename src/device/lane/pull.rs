@@ -27,6 +27,10 @@ use openmls::prelude::*;
 use std::collections::BTreeSet;
 use std::sync::atomic::Ordering;
 
+/// How far ahead of our clock another member's entry may pull our hybrid
+/// logical clock.
+const HLC_MAX_AHEAD_MS: u64 = 60_000;
+
 /// Frames fetched per page.
 const PAGE: u32 = 100;
 
@@ -432,6 +436,19 @@ impl GroupPeerManager {
         self.shared.records.put_group(&mut b, &rec);
         guard.finish(b)?;
         self.shared.outbox.wake();
+        // Subscriptions went with the store too: the link makes them again,
+        // but what was published before that is only in the logs. Read the
+        // group's app topics there again from the start.
+        let link = self.hub_link(hub);
+        for topic in &rec.app_topics {
+            self.spawn_catch_up(
+                group,
+                hub.to_string(),
+                link.clone(),
+                topic.clone(),
+                self.shared.shutdown.child_token(),
+            );
+        }
         tracing::warn!(%group, hub, "hub rewound: reading it again from the start");
         self.emit(Event::HubRewound {
             url: hub.to_string(),
@@ -817,7 +834,11 @@ impl GroupPeerManager {
                     key: "ledger entry".into(),
                     reason: e.to_string(),
                 })?;
-                self.shared.hlc.observe(e.ord);
+                // Bounded: one member's clock far ahead must not drag
+                // every later entry of ours with it.
+                self.shared
+                    .hlc
+                    .observe_bounded(e.ord, self.shared.clock.now_ms(), HLC_MAX_AHEAD_MS);
                 all.push(e);
             }
             let state = LedgerState::fold(rec.id, &all).map_err(|e| KvError::Corrupt {

@@ -307,6 +307,12 @@ impl LedgerState {
                 if self.commit_hub.as_deref() == Some(url.as_str()) {
                     return Err(LedgerError::CommitHubUnbind(url));
                 }
+                // With no hub left, each member would commit through its
+                // own loopback hub: the group would fork. Only a group of
+                // one may go back to its loopback hub.
+                if self.hubs.len() == 1 && self.hubs[0] == url && self.members.len() > 1 {
+                    return Err(LedgerError::CommitHubUnbind(url));
+                }
                 Effect::Unbind(url)
             }
             EntryType::HubCommit => {
