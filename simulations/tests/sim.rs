@@ -228,3 +228,12 @@ fn hub_rewind_workload_new_store_identity() {
 fn hub_rewind_workload_erased_commit() {
     holds_with_every_fault(24);
 }
+
+/// hub0 restarts on an empty store at 2.4 s and stays down until about
+/// 196 s. A message sent at 194.9 s (after the rewind, so judged in full)
+/// reaches every member but one, which noticed the rewind last.
+#[test]
+#[ignore = "engine bug: a message sent after a rewind to an empty store never reaches one member"]
+fn hub_rewind_workload_message_after_rewind_lost() {
+    holds_with_every_fault(121);
+}
