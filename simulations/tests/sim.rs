@@ -75,8 +75,8 @@ fn the_same_seed_replays_the_same_run() {
 #[test]
 fn pinned_seeds_with_every_fault_hold_every_invariant() {
     for seed in [4, 29, 32, 44, 145, 162] {
-        // Every fault but hub rewinds, which still break the engine (the
-        // ignored `hub_rewind_*` tests below).
+        // Every fault but hub rewinds (the `hub_rewind_*` seeds below run
+        // every fault).
         let r = run_seed(&SimConfig {
             ops: 20,
             faults: Faults {
@@ -179,8 +179,9 @@ fn a_device_whose_ledger_diverges_is_caught() {
 /// Seeds found with every fault on (hub rewinds among them) that break an
 /// invariant because of the engine, not the harness. Each replays with
 /// `cargo run --release -p hubsync-sim -- --seed N` (30 operations, every
-/// fault) and is explained in `docs/simulations.md`. Ignored until the
-/// engine is fixed; then they must hold.
+/// fault) and is explained in `docs/simulations.md`. Each broke the engine
+/// until the lane learned to notice every kind of rewind and to give a
+/// rewound hub back what it lost; each must hold now.
 fn holds_with_every_fault(seed: u64) {
     let r = run_seed(&SimConfig::new(seed));
     assert!(r.violations.is_empty(), "seed {seed}: {:?}", r.violations);
@@ -190,10 +191,11 @@ fn holds_with_every_fault(seed: u64) {
 /// merged a commit the hub lost, and members that had not, go on from the
 /// same epoch with different commits; re-reading the rewound log, the
 /// first judge the others' commit at an epoch they passed as `History`
-/// (positions from before a rewind are forgotten, so `frame_is_earlier` is
-/// false), so a fork at epoch 7 survives with nobody stranded.
+/// (positions from before a rewind were forgotten), so a fork at epoch 7
+/// survived with nobody stranded. Now a different commit at an epoch we
+/// merged, on a log that lost ours, is a fork we lost, and the members
+/// that merged the lost commit give it back to the hub first.
 #[test]
-#[ignore = "engine bug: a fork made by a rewind is never detected (classify.rs ForkLost needs frame_is_earlier)"]
 fn hub_rewind_workload_fork_survives() {
     holds_with_every_fault(40);
 }
@@ -201,39 +203,36 @@ fn hub_rewind_workload_fork_survives() {
 /// hub0 restarts from an older copy of its store (same store identity).
 /// Before one member reads it again, new commits make the head climb back
 /// to that member's cursor; the member reads after its stale cursor, never
-/// sees the commit now at that position, and stays at epoch 9 while the
-/// group is at 11, not even stranded.
+/// sees the commit now at that position, and stayed at epoch 9 while the
+/// group was at 11. Now a pull checks the frame at its cursor.
 #[test]
-#[ignore = "engine bug: rewind detection compares heads only (pull.rs), blind once the head climbs back"]
 fn hub_rewind_workload_head_climbs_back() {
     holds_with_every_fault(10);
 }
 
 /// hub1 restarts on an empty store (a new store identity) right after the
 /// setup. A member that had not read it again reads after its old cursor on
-/// the new store, skips the first new commit, then sees a member's frame at
-/// a later epoch and is stranded for good.
+/// the new store, skipped the first new commit, then saw a member's frame
+/// at a later epoch and was stranded. Now a cursor keeps the store identity
+/// it was read on.
 #[test]
-#[ignore = "engine bug: the lane ignores a new store identity (pull.rs, GroupRecord has no store id); no recovery"]
 fn hub_rewind_workload_new_store_identity() {
     holds_with_every_fault(11);
 }
 
 /// hub1 restarts on an empty store and loses a commit one member had not
-/// applied yet. Nothing is left on the log to tell it; it stays one epoch
-/// behind forever (the others do not re-publish what they merged, and a
-/// stranded or lagging member has no recovery).
+/// applied yet. Nothing was left on the log to tell it; it stayed one epoch
+/// behind. Now the members that merged it give it back to the hub.
 #[test]
-#[ignore = "engine bug: a commit erased by a rewind is never re-published and there is no recovery (DESIGN section 4 remedies)"]
 fn hub_rewind_workload_erased_commit() {
     holds_with_every_fault(24);
 }
 
 /// hub0 restarts on an empty store at 2.4 s and stays down until about
 /// 196 s. A message sent at 194.9 s (after the rewind, so judged in full)
-/// reaches every member but one, which noticed the rewind last.
+/// reached every member but one, which noticed the rewind last. Now a
+/// rewind reads the group's app topics on that hub again.
 #[test]
-#[ignore = "engine bug: a message sent after a rewind to an empty store never reaches one member"]
 fn hub_rewind_workload_message_after_rewind_lost() {
     holds_with_every_fault(121);
 }
