@@ -7,7 +7,7 @@ use hubsync::clock::Clock;
 use hubsync::hub::{Hub, HubConfig, Limits, Rate};
 use hubsync::kv::{KvStore, SledKv};
 use hubsync::rng::SharedRng;
-use hubsync::transport::TcpAcceptor;
+use hubsync::transport::{server_config_from_pem, TcpAcceptor, TlsListener};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -40,9 +40,18 @@ struct HubArgs {
     /// Directory of the hub's store (created if missing).
     #[arg(long, default_value = "./hub-data")]
     data: PathBuf,
-    /// The URL devices dial and sign; defaults to ws://<listen address>.
+    /// The URL devices dial and sign; defaults to ws://<listen address>, or
+    /// wss://<listen address> with TLS. With TLS it must be wss://, and its
+    /// host one the certificate names.
     #[arg(long)]
     public_url: Option<String>,
+    /// Serve wss:// (TLS) with this PEM certificate chain, leaf first
+    /// (e.g. fullchain.pem). Needs --tls-key.
+    #[arg(long, value_name = "FILE", requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// The PEM private key of --tls-cert. Needs --tls-cert.
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
     /// Largest payload in bytes.
     #[arg(long, default_value_t = 1 << 20)]
     max_payload: usize,
@@ -103,18 +112,44 @@ fn main() -> ExitCode {
     }
 }
 
+/// The URL the hub announces: `public` if given, else the scheme's URL of
+/// the bound address. With TLS it must be `wss://`: a device dialling a
+/// `ws://` URL would not speak TLS to it.
+fn hub_url(
+    public: Option<String>,
+    addr: std::net::SocketAddr,
+    tls: bool,
+) -> Result<String, String> {
+    let scheme = if tls { "wss" } else { "ws" };
+    let url = public.unwrap_or_else(|| format!("{scheme}://{addr}"));
+    if tls && !url.starts_with("wss://") {
+        return Err(format!(
+            "--public-url must be a wss:// URL when serving TLS, got {url}"
+        ));
+    }
+    Ok(url)
+}
+
 async fn run_hub(args: HubArgs) -> Result<(), String> {
+    // Read the certificate before binding, so a bad file fails fast.
+    let tls = match (&args.tls_cert, &args.tls_key) {
+        (Some(cert), Some(key)) => {
+            Some(server_config_from_pem(cert, key).map_err(|e| format!("TLS: {e}"))?)
+        }
+        (None, None) => None,
+        _ => return Err("--tls-cert and --tls-key must be given together".into()),
+    };
     let listener = TcpAcceptor::bind(&args.listen)
         .await
         .map_err(|e| format!("cannot listen on {}: {e}", args.listen))?;
     let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    let url = hub_url(args.public_url.clone(), addr, tls.is_some())?;
     std::fs::create_dir_all(&args.data)
         .map_err(|e| format!("cannot create {}: {e}", args.data.display()))?;
     let store: Arc<dyn KvStore> = Arc::new(
         SledKv::open(&args.data)
             .map_err(|e| format!("cannot open {}: {e}", args.data.display()))?,
     );
-    let url = args.public_url.unwrap_or_else(|| format!("ws://{addr}"));
     let mut config = HubConfig::new(url.clone());
     config.purge_interval = Duration::from_secs(args.purge_interval.max(1));
     config.limits = Limits {
@@ -133,8 +168,19 @@ async fn run_hub(args: HubArgs) -> Result<(), String> {
     };
     let hub = Hub::start(store, config, Clock::System, SharedRng::from_entropy())
         .map_err(|e| e.to_string())?;
-    hub.serve(listener);
-    // Tests and scripts read this line to learn the port.
+    let tls_stats = match tls {
+        Some(config) => {
+            let listener = TlsListener::new(listener, config);
+            let stats = listener.stats();
+            hub.serve(listener);
+            Some(stats)
+        }
+        None => {
+            hub.serve(listener);
+            None
+        }
+    };
+    // Tests and scripts read this line to learn the port (and the scheme).
     println!("hubsync hub listening on {addr} as {url}");
     tracing::info!(
         %addr,
@@ -148,6 +194,14 @@ async fn run_hub(args: HubArgs) -> Result<(), String> {
     hub.shutdown().await;
     let m = hub.metrics();
     tracing::info!(?m, "hub stopped");
+    if let Some(t) = tls_stats {
+        tracing::info!(
+            handshakes = t.handshakes(),
+            failed = t.failed(),
+            timed_out = t.timed_out(),
+            "TLS handshakes"
+        );
+    }
     Ok(())
 }
 
@@ -170,5 +224,24 @@ async fn wait_for_signal() {
     #[cfg(not(unix))]
     {
         let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::hub_url;
+
+    #[test]
+    fn hub_url_is_wss_with_tls_and_refuses_a_ws_public_url() {
+        let addr = "127.0.0.1:7400".parse().unwrap();
+        assert_eq!(hub_url(None, addr, false).unwrap(), "ws://127.0.0.1:7400");
+        assert_eq!(hub_url(None, addr, true).unwrap(), "wss://127.0.0.1:7400");
+        let public = Some("wss://hub.example".to_string());
+        assert_eq!(hub_url(public, addr, true).unwrap(), "wss://hub.example");
+        let err = hub_url(Some("ws://hub.example".into()), addr, true).unwrap_err();
+        assert!(err.contains("wss://"), "{err}");
+        // Without TLS here, a wss:// URL is a proxy terminating TLS in front.
+        let proxied = Some("wss://hub.example".to_string());
+        assert_eq!(hub_url(proxied, addr, false).unwrap(), "wss://hub.example");
     }
 }

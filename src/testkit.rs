@@ -9,13 +9,28 @@
 //! hub.stop().await;
 //! # Ok(()) }
 //! ```
+//!
+//! A TLS hub serves a certificate made at run time; its clients, and
+//! devices given [`TestHub::connector`], trust that certificate's root:
+//!
+//! ```no_run
+//! # async fn demo() -> std::io::Result<()> {
+//! let hub = hubsync::testkit::TestHub::start_tls().await?;
+//! assert!(hub.url().starts_with("wss://"));
+//! let mut options = hubsync::testkit::device_options(&[hub.url().to_string()]);
+//! options.connector = std::sync::Arc::new(hub.connector());
+//! # Ok(()) }
+//! ```
 
 use crate::client::{ClientError, ClientOptions, HubClient};
 use crate::clock::Clock;
 use crate::hub::{Hub, HubConfig};
 use crate::kv::{Entries, KvError, KvStore, SledKv, WriteBatch};
 use crate::rng::SharedRng;
-use crate::transport::{BoxStream, Connector, TcpAcceptor, TcpConnector};
+use crate::transport::{
+    server_config, BoxStream, CertificateDer, Connector, NetConnector, ServerConfig, TcpAcceptor,
+    TcpConnector, TlsConfig, TlsListener, TlsStats,
+};
 use ed25519_dalek::SigningKey;
 use futures::future::BoxFuture;
 use std::io;
@@ -25,7 +40,9 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
+use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio_rustls::rustls::pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer};
 
 /// A deterministic signing key for tests: the same `n` gives the same device.
 pub fn signing_key(n: u64) -> SigningKey {
@@ -51,12 +68,105 @@ pub async fn open_sled(dir: &Path) -> io::Result<SledKv> {
     }
 }
 
-/// A real hub on a loopback port with its sled store in a directory.
+/// A certificate authority made at run time, and a certificate it issued
+/// for `localhost`, `127.0.0.1` and `::1`: what a TLS [`TestHub`] serves
+/// and what its clients trust. Each call to [`TestCert::generate`] makes a
+/// new authority, so a client trusting one refuses a hub serving another.
+pub struct TestCert {
+    root: CertificateDer<'static>,
+    leaf: CertificateDer<'static>,
+    key_der: Vec<u8>,
+    leaf_pem: String,
+    key_pem: String,
+}
+
+impl TestCert {
+    /// Make a new authority (ECDSA P-256) and its certificate for the
+    /// loopback names.
+    ///
+    /// # Errors
+    /// When key generation or signing fails.
+    pub fn generate() -> io::Result<TestCert> {
+        use rcgen::{
+            BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair,
+            KeyUsagePurpose,
+        };
+        let gen = |e: rcgen::Error| io::Error::other(format!("test certificate: {e}"));
+        let mut ca = CertificateParams::default();
+        ca.distinguished_name
+            .push(DnType::CommonName, "hubsync test CA");
+        ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        ca.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+        let ca =
+            CertifiedIssuer::self_signed(ca, KeyPair::generate().map_err(gen)?).map_err(gen)?;
+        let names = ["localhost", "127.0.0.1", "::1"].map(String::from).to_vec();
+        let mut leaf = CertificateParams::new(names).map_err(gen)?;
+        leaf.distinguished_name
+            .push(DnType::CommonName, "hubsync test hub");
+        let key = KeyPair::generate().map_err(gen)?;
+        let cert = leaf.signed_by(&key, &ca).map_err(gen)?;
+        Ok(TestCert {
+            root: ca.der().clone(),
+            leaf: cert.der().clone(),
+            key_der: key.serialize_der(),
+            leaf_pem: cert.pem(),
+            key_pem: key.serialize_pem(),
+        })
+    }
+
+    /// The authority's certificate (DER): what a client must trust.
+    pub fn root(&self) -> &CertificateDer<'static> {
+        &self.root
+    }
+
+    /// The hub's certificate in PEM, for `hubsync hub --tls-cert`.
+    pub fn cert_pem(&self) -> &str {
+        &self.leaf_pem
+    }
+
+    /// The hub's private key in PEM (PKCS#8), for `hubsync hub --tls-key`.
+    pub fn key_pem(&self) -> &str {
+        &self.key_pem
+    }
+
+    /// A hub's TLS configuration serving this certificate.
+    ///
+    /// # Errors
+    /// When rustls refuses it (a bug in this kit).
+    pub fn server_config(&self) -> io::Result<Arc<ServerConfig>> {
+        let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(self.key_der.clone()));
+        server_config(vec![self.leaf.clone()], key).map_err(io::Error::other)
+    }
+
+    /// A device connector trusting this authority (plain `ws://` to
+    /// loopback only, as in production).
+    ///
+    /// # Errors
+    /// When rustls refuses the root (a bug in this kit).
+    pub fn connector(&self) -> io::Result<NetConnector> {
+        NetConnector::new(TlsConfig {
+            extra_roots: vec![self.root.clone()],
+            ..TlsConfig::default()
+        })
+        .map_err(io::Error::other)
+    }
+}
+
+/// A TLS test hub's certificate authority and handshake counters.
+struct HubTls {
+    root: CertificateDer<'static>,
+    stats: TlsStats,
+}
+
+/// A real hub on a loopback port with its sled store in a directory,
+/// serving plain `ws://` or, started with [`TestHub::start_tls`], `wss://`.
 pub struct TestHub {
     hub: Hub,
     addr: SocketAddr,
     url: String,
     dir: PathBuf,
+    tls: Option<HubTls>,
+    connector: NetConnector,
     _temp: Option<Arc<tempfile::TempDir>>,
 }
 
@@ -83,6 +193,41 @@ impl TestHub {
         Ok(hub)
     }
 
+    /// Start a TLS hub (`wss://127.0.0.1:<port>`) serving a certificate
+    /// made now ([`TestCert::generate`]), with the default handshake
+    /// deadline, on a fresh temporary directory.
+    ///
+    /// # Errors
+    /// When no port, directory or certificate can be had.
+    pub async fn start_tls() -> io::Result<TestHub> {
+        let cert = TestCert::generate()?;
+        Self::start_tls_with(
+            &cert,
+            TlsListener::<TcpAcceptor>::DEFAULT_HANDSHAKE_TIMEOUT,
+            |_| {},
+        )
+        .await
+    }
+
+    /// Like [`TestHub::start_tls`], serving `cert`, giving each client
+    /// `handshake_timeout` to finish its TLS handshake, and letting
+    /// `configure` change the configuration (the URL is set afterwards).
+    ///
+    /// # Errors
+    /// When no port or directory can be had.
+    pub async fn start_tls_with(
+        cert: &TestCert,
+        handshake_timeout: Duration,
+        configure: impl FnOnce(&mut HubConfig),
+    ) -> io::Result<TestHub> {
+        let temp = Arc::new(tempfile::tempdir()?);
+        let dir = temp.path().to_path_buf();
+        let tls = Some((cert, handshake_timeout));
+        let mut hub = Self::start_inner(&dir, "127.0.0.1:0", tls, configure).await?;
+        hub._temp = Some(temp);
+        Ok(hub)
+    }
+
     /// Start a hub on `addr` over the store in `dir` (kept when dropped), for
     /// restarting a hub on the same directory and port.
     ///
@@ -93,23 +238,66 @@ impl TestHub {
         addr: &str,
         configure: impl FnOnce(&mut HubConfig),
     ) -> io::Result<TestHub> {
+        Self::start_inner(dir, addr, None, configure).await
+    }
+
+    async fn start_inner(
+        dir: &Path,
+        addr: &str,
+        tls: Option<(&TestCert, Duration)>,
+        configure: impl FnOnce(&mut HubConfig),
+    ) -> io::Result<TestHub> {
         let listener = TcpAcceptor::bind(addr).await?;
         let addr = listener.local_addr()?;
-        let url = format!("ws://{addr}");
+        let scheme = if tls.is_some() { "wss" } else { "ws" };
+        let url = format!("{scheme}://{addr}");
         let mut config = HubConfig::new(url.clone());
         configure(&mut config);
         config.url = url.clone();
         let store: Arc<dyn KvStore> = Arc::new(open_sled(dir).await?);
         let hub = Hub::start(store, config, Clock::System, SharedRng::from_entropy())
             .map_err(io::Error::other)?;
-        hub.serve(listener);
+        let (tls, connector) = match tls {
+            Some((cert, handshake_timeout)) => {
+                let listener = TlsListener::new(listener, cert.server_config()?)
+                    .handshake_timeout(handshake_timeout);
+                let stats = listener.stats();
+                hub.serve(listener);
+                let root = cert.root().clone();
+                (Some(HubTls { root, stats }), cert.connector()?)
+            }
+            None => {
+                hub.serve(listener);
+                (None, NetConnector::default())
+            }
+        };
         Ok(TestHub {
             hub,
             addr,
             url,
             dir: dir.to_path_buf(),
+            tls,
+            connector,
             _temp: None,
         })
+    }
+
+    /// The certificate authority a TLS hub's certificate chains to (DER),
+    /// for a client to trust; `None` for a plain hub.
+    pub fn tls_root(&self) -> Option<&CertificateDer<'static>> {
+        self.tls.as_ref().map(|t| &t.root)
+    }
+
+    /// A TLS hub's handshake counters; `None` for a plain hub.
+    pub fn tls_stats(&self) -> Option<&TlsStats> {
+        self.tls.as_ref().map(|t| &t.stats)
+    }
+
+    /// The connector [`TestHub::client`] uses: a [`NetConnector`] that trusts
+    /// this hub's root, if it has one. Set it as a test device's
+    /// `DeviceOptions::connector`.
+    pub fn connector(&self) -> NetConnector {
+        self.connector.clone()
     }
 
     /// The URL devices dial.
@@ -132,12 +320,13 @@ impl TestHub {
         &self.hub
     }
 
-    /// A client authenticated as `key`, over real TCP.
+    /// A client authenticated as `key`, over real TCP (and TLS for a TLS
+    /// hub) through [`TestHub::connector`].
     ///
     /// # Errors
     /// As [`HubClient::connect`].
     pub async fn client(&self, key: &SigningKey) -> Result<HubClient, ClientError> {
-        HubClient::connect(&TcpConnector, &self.url, key, ClientOptions::default()).await
+        HubClient::connect(&self.connector, &self.url, key, ClientOptions::default()).await
     }
 
     /// Shut the hub down cleanly (flushed) and hand back the temporary

@@ -2,7 +2,8 @@
 //!
 //! Devices reach hubs through a [`Connector`] and hubs accept through a
 //! [`Listener`], both yielding any `AsyncRead + AsyncWrite` stream. Production
-//! uses TCP; the simulation hands the same WebSocket code simulated TCP; an
+//! uses TCP, with TLS for `wss://` ([`NetConnector`], [`TlsListener`]); the
+//! simulation hands the same WebSocket code simulated TCP; an
 //! in-process hub (a device's loopback hub) is reached through
 //! [`memory_transport`], with no socket at all.
 
@@ -13,6 +14,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use tokio::io::{AsyncRead, AsyncWrite, DuplexStream};
 use tokio::sync::mpsc;
+
+mod tls;
+
+pub use tls::{
+    server_config, server_config_from_pem, CertificateDer, NetConnector, ServerConfig, TlsConfig,
+    TlsListener, TlsSetupError, TlsStats,
+};
 
 /// A byte stream the WebSocket layer can run over.
 pub trait ByteStream: AsyncRead + AsyncWrite + Send + Unpin + 'static {}
@@ -40,31 +48,76 @@ pub trait Listener: Send + 'static {
     fn accept(&mut self) -> BoxFuture<'_, io::Result<(BoxStream, String)>>;
 }
 
-/// `host:port` of a `ws://host:port/path` URL.
+/// `host:port` of a `ws://host:port/path` or `wss://…` URL; without a port,
+/// 80 for `ws://` and 443 for `wss://`. An IPv6 host keeps its brackets.
 ///
 /// # Errors
-/// `InvalidInput` when the URL has no `ws://` or `wss://` scheme or no host.
+/// `InvalidInput` when the URL has no `ws://` or `wss://` scheme, no host,
+/// or a port that is not a number.
 pub fn host_port(url: &str) -> io::Result<String> {
-    let rest = url
-        .strip_prefix("ws://")
-        .or_else(|| url.strip_prefix("wss://"))
-        .ok_or_else(|| {
-            io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!("not a ws:// URL: {url}"),
-            )
-        })?;
-    let authority = rest.split('/').next().unwrap_or_default();
-    if authority.is_empty() {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidInput,
-            format!("no host in URL: {url}"),
-        ));
+    Endpoint::parse(url).map(|ep| ep.host_port())
+}
+
+/// What a hub URL says about where to dial.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Endpoint {
+    /// `wss://`.
+    pub(crate) tls: bool,
+    /// The host, an IPv6 address without its brackets.
+    pub(crate) host: String,
+    pub(crate) port: u16,
+}
+
+impl Endpoint {
+    pub(crate) fn parse(url: &str) -> io::Result<Endpoint> {
+        let bad =
+            |what: &str| io::Error::new(io::ErrorKind::InvalidInput, format!("{what}: {url}"));
+        let (tls, rest) = if let Some(rest) = url.strip_prefix("wss://") {
+            (true, rest)
+        } else if let Some(rest) = url.strip_prefix("ws://") {
+            (false, rest)
+        } else {
+            return Err(bad("not a ws:// or wss:// URL"));
+        };
+        let authority = rest.split(['/', '?', '#']).next().unwrap_or_default();
+        let (host, port) = match authority.strip_prefix('[') {
+            Some(v6) => {
+                let (host, after) = v6.split_once(']').ok_or_else(|| bad("unclosed [ in URL"))?;
+                match after {
+                    "" => (host, None),
+                    _ => match after.strip_prefix(':') {
+                        Some(port) => (host, Some(port)),
+                        None => return Err(bad("junk after ] in URL")),
+                    },
+                }
+            }
+            None => match authority.rsplit_once(':') {
+                Some((host, port)) => (host, Some(port)),
+                None => (authority, None),
+            },
+        };
+        if host.is_empty() {
+            return Err(bad("no host in URL"));
+        }
+        let port = match port {
+            Some(p) => p.parse::<u16>().map_err(|_| bad("bad port in URL"))?,
+            None if tls => 443,
+            None => 80,
+        };
+        Ok(Endpoint {
+            tls,
+            host: host.to_string(),
+            port,
+        })
     }
-    if authority.contains(':') {
-        Ok(authority.to_string())
-    } else {
-        Ok(format!("{authority}:80"))
+
+    /// `host:port`, with brackets around an IPv6 host, for dialling.
+    pub(crate) fn host_port(&self) -> String {
+        if self.host.contains(':') {
+            format!("[{}]:{}", self.host, self.port)
+        } else {
+            format!("{}:{}", self.host, self.port)
+        }
     }
 }
 
@@ -102,7 +155,9 @@ pub(crate) fn ws_config(
         .max_frame_size(Some(max_frame * 2))
 }
 
-/// Connects over real TCP.
+/// Connects over real TCP, with no TLS even for a `wss://` URL and no
+/// policy on plain `ws://`: for tests and tools that reach a plain hub.
+/// Devices use [`NetConnector`].
 #[derive(Clone, Copy, Debug, Default)]
 pub struct TcpConnector;
 
@@ -327,5 +382,22 @@ mod tests {
         assert_eq!(host_port("ws://hub.example/x").unwrap(), "hub.example:80");
         assert!(host_port("http://x").is_err());
         assert!(host_port("ws:///x").is_err());
+    }
+
+    #[test]
+    fn host_port_defaults_wss_to_443_and_keeps_ipv6_brackets() {
+        assert_eq!(host_port("wss://hub.example").unwrap(), "hub.example:443");
+        assert_eq!(
+            host_port("wss://hub.example:8443/p?q").unwrap(),
+            "hub.example:8443"
+        );
+        assert_eq!(host_port("ws://[::1]:7400/x").unwrap(), "[::1]:7400");
+        assert_eq!(host_port("wss://[::1]").unwrap(), "[::1]:443");
+        let ep = Endpoint::parse("wss://[::1]:9").unwrap();
+        assert_eq!((ep.tls, ep.host.as_str(), ep.port), (true, "::1", 9));
+        assert!(host_port("ws://[::1").is_err());
+        assert!(host_port("ws://[::1]x").is_err());
+        assert!(host_port("ws://host:port").is_err());
+        assert!(host_port("ws://:80").is_err());
     }
 }

@@ -26,7 +26,7 @@ use super::registry::Registry;
 use crate::clock::Clock;
 use crate::kv::{KvStore, SledKv};
 use crate::rng::SharedRng;
-use crate::transport::{Connector, TcpConnector};
+use crate::transport::{Connector, NetConnector};
 use crate::wire::DeviceId;
 use std::path::Path;
 use std::sync::Arc;
@@ -39,7 +39,11 @@ pub struct DeviceOptions {
     /// The device's own hubs: it keeps key packages there and hears
     /// Welcomes there. Groups may bind other hubs too.
     pub hubs: Vec<String>,
-    /// How hubs are reached (TCP in production, simulated in simulations).
+    /// How hubs are reached. [`DeviceOptions::new`] gives a
+    /// [`NetConnector`]: `wss://` over TLS trusting the webpki roots, plain
+    /// `ws://` to loopback only. To trust a private CA or allow plain
+    /// `ws://`, set `NetConnector::new(TlsConfig { .. })`; simulations set
+    /// their own.
     pub connector: Arc<dyn Connector>,
     /// Links, peers and the commit lane.
     pub manager: ManagerConfig,
@@ -60,7 +64,7 @@ impl DeviceOptions {
     pub fn new(hubs: Vec<String>) -> Self {
         Self {
             hubs,
-            connector: Arc::new(TcpConnector),
+            connector: Arc::new(NetConnector::default()),
             manager: ManagerConfig::default(),
             outbox: OutboxConfig::default(),
             clock: Clock::System,
