@@ -1,0 +1,1378 @@
+//! Attacks on the rules of DESIGN.md section 9 ("Who may do what"), each
+//! made the way an attacker would make it: from outside, over real hubs on
+//! loopback, with MLS objects crafted with openmls directly (its own
+//! `OpenMlsRustCrypto` provider, `SignatureKeyPair`s and `BasicCredential`s)
+//! and raw frames published through an authenticated `HubClient`.
+//!
+//! Every test asserts two things: the attack fails (on the engine check
+//! named in its comment), and the group goes on (members still commit and
+//! read).
+
+use ed25519_dalek::SigningKey;
+use futures::StreamExt;
+use hubsync::client::{HubClient, Push};
+use hubsync::device::frames::{AppMessage, WelcomeEnvelope};
+use hubsync::device::identity::DeviceIdentity;
+use hubsync::device::lane::SkipReason;
+use hubsync::device::ledger::GroupExt;
+use hubsync::device::mls::{
+    capabilities, create_config, APP_TOPIC_LABEL, CIPHERSUITE, MAX_PAST_EPOCHS,
+};
+use hubsync::device::records::Records;
+use hubsync::device::topics::{app_topic, commit_topic, welcome_topic};
+use hubsync::device::{CommitError, Event, GroupId};
+use hubsync::hub::Limits;
+use hubsync::kv::KvStore;
+use hubsync::testkit::{device_options, open_sled, signing_key, TestDevice, TestHub};
+use hubsync::wire::{
+    DeviceId, ExpectedHead, Publish, PublishId, PublishOutcome, RetentionClass, TopicId,
+};
+use openmls::prelude::tls_codec::{Deserialize as _, Serialize as _};
+use openmls::prelude::{
+    BasicCredential, CredentialWithKey, KeyPackage, KeyPackageIn, LeafNodeParameters, MlsGroup,
+    MlsGroupJoinConfig, MlsMessageBodyIn, MlsMessageIn, NewSignerBundle, ProcessedMessageContent,
+    ProtocolVersion, StagedWelcome, WireFormatPolicy, MIXED_CIPHERTEXT_WIRE_FORMAT_POLICY,
+    MIXED_PLAINTEXT_WIRE_FORMAT_POLICY,
+};
+use openmls_basic_credential::SignatureKeyPair;
+use openmls_rust_crypto::OpenMlsRustCrypto;
+use openmls_traits::types::SignatureScheme;
+use openmls_traits::OpenMlsProvider;
+use std::sync::atomic::Ordering::SeqCst;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::{broadcast, mpsc};
+
+const WAIT: Duration = Duration::from_secs(30);
+
+// ---------------------------------------------------------------------------
+// Helpers: devices, hubs, events (as in tests/lane.rs)
+// ---------------------------------------------------------------------------
+
+/// Every event of one device, collected by a task as they come.
+struct Watch {
+    events: Arc<Mutex<Vec<Event>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl Watch {
+    /// Collect `d`'s events. Made right after a device opens, it holds
+    /// every event since the open (the first receiver does).
+    fn new(d: &TestDevice) -> Self {
+        let mut rx = d.events();
+        let events = Arc::new(Mutex::new(Vec::new()));
+        let out = events.clone();
+        let task = tokio::spawn(async move {
+            loop {
+                match rx.recv().await {
+                    Ok(e) => out.lock().unwrap().push(e),
+                    Err(broadcast::error::RecvError::Lagged(n)) => {
+                        panic!("event receiver lagged by {n}")
+                    }
+                    Err(broadcast::error::RecvError::Closed) => return,
+                }
+            }
+        });
+        Self { events, task }
+    }
+
+    fn snapshot(&self) -> Vec<Event> {
+        self.events.lock().unwrap().clone()
+    }
+
+    fn count(&self, pred: impl Fn(&Event) -> bool) -> usize {
+        self.events
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|e| pred(e))
+            .count()
+    }
+
+    /// Wait until `pred` holds for some event, or fail after `WAIT`.
+    async fn until(&self, what: &str, pred: impl Fn(&Event) -> bool) {
+        let deadline = tokio::time::Instant::now() + WAIT;
+        while self.count(&pred) == 0 {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "timed out waiting for {what}; events: {:?}",
+                self.snapshot()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Wait until the frame at `seq` was judged: skipped (its reason) or
+    /// merged (`None`: the epoch moved past `epoch`).
+    async fn judged(&self, g: GroupId, seq: u64, epoch: u64) -> Option<SkipReason> {
+        self.until(&format!("frame {seq} judged"), |e| match e {
+            Event::FrameSkipped { group, seq: s, .. } => *group == g && *s == seq,
+            Event::EpochChanged { group, epoch: n } => *group == g && *n > epoch,
+            _ => false,
+        })
+        .await;
+        self.snapshot().into_iter().find_map(|e| match e {
+            Event::FrameSkipped {
+                group,
+                seq: s,
+                reason,
+                ..
+            } if group == g && s == seq => Some(reason),
+            _ => None,
+        })
+    }
+
+    fn got(&self, g: GroupId, body: &[u8]) -> usize {
+        self.count(|e| {
+            matches!(e, Event::MessageReceived { group, body: b, .. } if *group == g && b == body)
+        })
+    }
+
+    async fn until_message(&self, g: GroupId, body: &[u8]) {
+        let what = format!("message {:?}", String::from_utf8_lossy(body));
+        self.until(&what, |e| {
+            matches!(e, Event::MessageReceived { group, body: b, .. } if *group == g && b == body)
+        })
+        .await;
+    }
+
+    fn joined(&self, g: GroupId) -> usize {
+        self.count(|e| matches!(e, Event::GroupJoined { group, .. } if *group == g))
+    }
+
+    fn stranded(&self) -> usize {
+        self.count(|e| matches!(e, Event::Stranded { .. }))
+    }
+
+    /// Wait for a `FrameSkipped` of `g` at `seq`, and answer its reason.
+    async fn skipped_at(&self, g: GroupId, seq: u64) -> SkipReason {
+        self.until(
+            &format!("frame {seq} skipped"),
+            |e| matches!(e, Event::FrameSkipped { group, seq: s, .. } if *group == g && *s == seq),
+        )
+        .await;
+        self.snapshot()
+            .into_iter()
+            .find_map(|e| match e {
+                Event::FrameSkipped {
+                    group,
+                    seq: s,
+                    reason,
+                    ..
+                } if group == g && s == seq => Some(reason),
+                _ => None,
+            })
+            .expect("just seen")
+    }
+}
+
+fn unthrottled(c: &mut hubsync::hub::HubConfig) {
+    c.limits = Limits::unthrottled();
+}
+
+async fn hub() -> TestHub {
+    TestHub::start_with(unthrottled).await.unwrap()
+}
+
+/// A just-opened device may not have uploaded key packages yet.
+async fn invite_with_retry(by: &TestDevice, g: GroupId, who: DeviceId) {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        match by.invite(g, who).await {
+            Ok(_) => return,
+            Err(CommitError::NoKeyPackage(_)) if tokio::time::Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("invite failed: {e}"),
+        }
+    }
+}
+
+/// Create a group on `creator` and bring every other device in.
+async fn group_of(
+    creator: &TestDevice,
+    others: &[(&TestDevice, &Watch)],
+    hubs: &[String],
+) -> GroupId {
+    let g = creator.create_group(hubs).await.unwrap();
+    for (d, w) in others {
+        invite_with_retry(creator, g, d.id()).await;
+        w.until(
+            "the Welcome",
+            |e| matches!(e, Event::GroupJoined { group, .. } if *group == g),
+        )
+        .await;
+    }
+    g
+}
+
+/// Wait until every device is at the same epoch with the same epoch
+/// authenticator, none stranded; answer them.
+async fn agree(devices: &[&TestDevice], g: GroupId) -> (u64, Vec<u8>) {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let mut states = Vec::new();
+        for d in devices {
+            states.push((
+                d.epoch(g).await.unwrap(),
+                d.epoch_authenticator(g).await.unwrap(),
+            ));
+        }
+        if states.windows(2).all(|w| w[0] == w[1]) {
+            for d in devices {
+                assert!(
+                    !d.manager().record(g).unwrap().stranded,
+                    "a device is stranded"
+                );
+            }
+            return states.remove(0);
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no convergence: epochs {:?}",
+            states.iter().map(|s| s.0).collect::<Vec<_>>()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// `from` sends `body`; each of `to` receives it exactly once.
+async fn message_reaches(from: &TestDevice, to: &[&Watch], g: GroupId, body: &[u8]) {
+    from.send(g, body).await.unwrap();
+    for w in to {
+        w.until_message(g, body).await;
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    for w in to {
+        assert_eq!(w.got(g, body), 1, "delivered exactly once");
+    }
+}
+
+/// The group goes on: `by` commits (a key rotation), every member of `all`
+/// follows it, and a message from `by` reaches each of `to` once.
+async fn carry_on(by: &TestDevice, all: &[&TestDevice], to: &[&Watch], g: GroupId, body: &[u8]) {
+    let (e, _) = agree(all, g).await;
+    let r = by.rotate_keys(g).await.unwrap();
+    assert_eq!(r.outcome.epoch, e + 1);
+    let (e1, _) = agree(all, g).await;
+    assert_eq!(e1, e + 1);
+    message_reaches(by, to, g, body).await;
+}
+
+fn accepted_seq(o: PublishOutcome) -> u64 {
+    match o {
+        PublishOutcome::Accepted { seq, .. } => seq,
+        other => panic!("publish not accepted: {other:?}"),
+    }
+}
+
+fn fresh_publish_id() -> PublishId {
+    PublishId(rand::random())
+}
+
+fn log_publish(topic: &TopicId, expected_head: ExpectedHead, payload: Vec<u8>) -> Publish {
+    Publish {
+        topic: topic.clone(),
+        publish_id: fresh_publish_id(),
+        class: RetentionClass::Log,
+        expected_head,
+        replay_only: false,
+        retention_secs: None,
+        payload,
+    }
+}
+
+fn mailbox_publish(topic: &TopicId, payload: Vec<u8>) -> Publish {
+    Publish {
+        topic: topic.clone(),
+        publish_id: fresh_publish_id(),
+        class: RetentionClass::Mailbox,
+        expected_head: ExpectedHead::Unconditional,
+        replay_only: false,
+        retention_secs: None,
+        payload,
+    }
+}
+
+/// Where the epoch of an MLS message sits: after the version and wire
+/// format (2 bytes each) and the group id (a variable-length vector).
+fn epoch_offset(mls: &[u8]) -> usize {
+    let at = 4;
+    let (len, prefix) = match mls[at] >> 6 {
+        0 => ((mls[at] & 0x3f) as usize, 1),
+        1 => (
+            (u16::from_be_bytes([mls[at], mls[at + 1]]) & 0x3fff) as usize,
+            2,
+        ),
+        _ => panic!("group id length prefix too long for a test frame"),
+    };
+    at + prefix + len
+}
+
+/// A copy of a bare MLS frame claiming `epoch` (it still parses).
+fn with_epoch(mls: &[u8], epoch: u64) -> Vec<u8> {
+    let mut out = mls.to_vec();
+    let at = epoch_offset(mls);
+    out[at..at + 8].copy_from_slice(&epoch.to_be_bytes());
+    out
+}
+
+/// The MLS message of a commit-topic frame: the frame itself, or inside
+/// the `f1 01 ‖ u32 len ‖ MLSMessage ‖ …` framing of a commit that carries
+/// ledger entries (lane/build.rs).
+fn inner_mls(frame: &[u8]) -> &[u8] {
+    match frame.strip_prefix(&[0xf1, 0x01][..]) {
+        Some(rest) => {
+            let len = u32::from_be_bytes(rest[..4].try_into().unwrap()) as usize;
+            &rest[4..4 + len]
+        }
+        None => frame,
+    }
+}
+
+/// Parse a frame as MLS and answer its group id and epoch.
+fn mls_header(frame: &[u8]) -> (Vec<u8>, u64) {
+    let pm = MlsMessageIn::tls_deserialize_exact(inner_mls(frame))
+        .expect("well-formed MLS")
+        .try_into_protocol_message()
+        .expect("a protocol message");
+    (pm.group_id().as_slice().to_vec(), pm.epoch().as_u64())
+}
+
+/// Open a device whose store the test keeps a handle on (to look at it
+/// from outside: its key count, its records).
+async fn device_with_store(hubs: &[String]) -> (TestDevice, Arc<dyn KvStore>) {
+    let seen: Arc<Mutex<Option<Arc<dyn KvStore>>>> = Arc::new(Mutex::new(None));
+    let keep = seen.clone();
+    let d = TestDevice::open_with_store(
+        device_options(hubs),
+        Arc::new(move |kv: Arc<dyn KvStore>| {
+            *keep.lock().unwrap() = Some(kv.clone());
+            kv
+        }),
+    )
+    .await
+    .unwrap();
+    let kv = seen.lock().unwrap().clone().expect("the store was opened");
+    (d, kv)
+}
+
+/// Every key of a store and the total bytes of keys and values.
+fn store_size(kv: &dyn KvStore) -> (Vec<Vec<u8>>, usize) {
+    let all = kv.range(&[], None, usize::MAX).unwrap();
+    let bytes = all.iter().map(|(k, v)| k.len() + v.len()).sum();
+    (all.into_iter().map(|(k, _)| k).collect(), bytes)
+}
+
+// ---------------------------------------------------------------------------
+// The attacker: a plain openmls client with a hub connection
+// ---------------------------------------------------------------------------
+
+fn signer_of(key: &SigningKey) -> SignatureKeyPair {
+    SignatureKeyPair::from_raw(
+        SignatureScheme::ED25519,
+        key.to_bytes().to_vec(),
+        key.verifying_key().to_bytes().to_vec(),
+    )
+}
+
+fn id_of(key: &SigningKey) -> DeviceId {
+    DeviceId(key.verifying_key().to_bytes())
+}
+
+/// A credential naming `named`, with `leaf_key` as the leaf's signature key.
+fn credential(named: DeviceId, leaf_key: &[u8]) -> CredentialWithKey {
+    CredentialWithKey {
+        credential: BasicCredential::new(named.0.to_vec()).into(),
+        signature_key: leaf_key.to_vec().into(),
+    }
+}
+
+/// The configuration a standard client joins with: hubsync's past-epoch
+/// window and ratchet tree, and the given wire-format policy.
+fn raw_join_config(policy: WireFormatPolicy) -> MlsGroupJoinConfig {
+    MlsGroupJoinConfig::builder()
+        .wire_format_policy(policy)
+        .max_past_epochs(MAX_PAST_EPOCHS)
+        .use_ratchet_tree_extension(true)
+        .build()
+}
+
+/// Someone with an ed25519 key, openmls and a hub: no hubsync engine.
+struct Raw {
+    key: SigningKey,
+    signer: SignatureKeyPair,
+    provider: OpenMlsRustCrypto,
+    client: HubClient,
+    pushes: Option<mpsc::Receiver<Push>>,
+}
+
+impl Raw {
+    async fn connect(hub: &TestHub, n: u64) -> Raw {
+        let key = signing_key(n);
+        let client = hub.client(&key).await.unwrap();
+        Raw {
+            signer: signer_of(&key),
+            key,
+            provider: OpenMlsRustCrypto::default(),
+            client,
+            pushes: None,
+        }
+    }
+
+    fn id(&self) -> DeviceId {
+        id_of(&self.key)
+    }
+
+    /// Its honest credential: its own id and key.
+    fn honest(&self) -> CredentialWithKey {
+        credential(self.id(), &self.id().0)
+    }
+
+    /// A key package with hubsync's capabilities and ciphersuite, whose
+    /// leaf is `cwk`, signed by `signer` (which need not be `cwk`'s key).
+    fn key_package(&self, cwk: CredentialWithKey, signer: &SignatureKeyPair) -> Vec<u8> {
+        KeyPackage::builder()
+            .leaf_node_capabilities(capabilities())
+            .build(CIPHERSUITE, &self.provider, signer, cwk)
+            .unwrap()
+            .key_package()
+            .tls_serialize_detached()
+            .unwrap()
+    }
+
+    /// Hear this device's Welcome mailbox from now on.
+    async fn listen_for_welcomes(&mut self) {
+        self.client
+            .subscribe(&welcome_topic(&self.id()), None)
+            .await
+            .unwrap();
+        self.pushes = self.client.take_pushes();
+        self.client.receive(0).await.unwrap();
+    }
+
+    /// The next Welcome envelope pushed to this device.
+    async fn next_welcome(&mut self) -> WelcomeEnvelope {
+        let rx = self.pushes.as_mut().expect("listening");
+        loop {
+            let push = tokio::time::timeout(WAIT, rx.recv())
+                .await
+                .expect("a Welcome in time")
+                .expect("push stream open");
+            if let Push::Delivery(d) = push {
+                self.client.ack(vec![d.id]).await.unwrap();
+                return WelcomeEnvelope::open(&d.payload).expect("a signed envelope");
+            }
+        }
+    }
+
+    /// Join the group of a Welcome, as any MLS client would.
+    fn join(&self, env: &WelcomeEnvelope, policy: WireFormatPolicy) -> MlsGroup {
+        let MlsMessageBodyIn::Welcome(welcome) = MlsMessageIn::tls_deserialize_exact(&env.welcome)
+            .unwrap()
+            .extract()
+        else {
+            panic!("not a Welcome")
+        };
+        StagedWelcome::new_from_welcome(&self.provider, &raw_join_config(policy), welcome, None)
+            .unwrap()
+            .into_group(&self.provider)
+            .unwrap()
+    }
+
+    /// Publish on a log topic, compare-and-set on its current head, as the
+    /// commit lane does; answers the sequence number.
+    async fn publish_at_head(&self, topic: &TopicId, payload: Vec<u8>) -> u64 {
+        let head = self.client.fetch(topic, 0, 1).await.unwrap().head;
+        let expected = head.map_or(ExpectedHead::Empty, ExpectedHead::Seq);
+        accepted_seq(
+            self.client
+                .publish(log_publish(topic, expected, payload))
+                .await
+                .unwrap(),
+        )
+    }
+
+    /// Publish on a log topic whatever its head.
+    async fn publish_anyway(&self, topic: &TopicId, payload: Vec<u8>) -> u64 {
+        accepted_seq(
+            self.client
+                .publish(log_publish(topic, ExpectedHead::Unconditional, payload))
+                .await
+                .unwrap(),
+        )
+    }
+}
+
+/// A self-update commit of `group` as the raw client would build it
+/// (never merged here), serialized.
+fn self_update_commit(
+    group: &mut MlsGroup,
+    raw: &Raw,
+    params: LeafNodeParameters,
+    new_signer: Option<NewSignerBundle<'_, SignatureKeyPair>>,
+) -> Vec<u8> {
+    let p = &raw.provider;
+    let builder = group
+        .commit_builder()
+        .force_self_update(true)
+        .leaf_node_parameters(params)
+        .load_psks(p.storage())
+        .unwrap();
+    let built = match new_signer {
+        None => builder
+            .build(p.rand(), p.crypto(), &raw.signer, |_| true)
+            .unwrap(),
+        Some(n) => builder
+            .build_with_new_signer(p.rand(), p.crypto(), &raw.signer, n, |_| true)
+            .unwrap(),
+    };
+    built
+        .stage_commit(p)
+        .unwrap()
+        .commit()
+        .tls_serialize_detached()
+        .unwrap()
+}
+
+// ---------------------------------------------------------------------------
+// 1. Forged key packages
+// ---------------------------------------------------------------------------
+
+/// A key package must be its device's own leaf (DESIGN.md section 9, "A
+/// leaf is its device", checked in `claim_key_package`, control.rs).
+///
+/// The hub keeps key packages per uploading device, so a stranger can
+/// place packages only under its own id; a hostile hub operator can place
+/// anything under anyone's. Both are tried:
+/// - (a) the attacker A uploads, under its own device, a valid package
+///   whose credential names victim F (signed by A's key), then one that
+///   names A but carries another key X; the admin invites A twice;
+/// - (b) the operator plants under F (an honest device that uploaded
+///   nothing here) a valid package naming F with A's key, one naming F with
+///   F's key but signed by A (a bad signature), and a last resort naming F
+///   with A's key; the admin invites F three times.
+///
+/// Every invite fails with `NoKeyPackage` having consumed a forged
+/// package (the pools are drained: the engine saw each and refused it),
+/// nothing is published on the commit topic (so no Welcome either), the
+/// roster and epoch stay, and the group goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_package_whose_leaf_is_not_its_device_is_never_invited() {
+    let hub = hub().await;
+    let u = vec![hub.url().to_string()];
+    let a = TestDevice::open(&u).await.unwrap();
+    let b = TestDevice::open(&u).await.unwrap();
+    let (wa, wb) = (Watch::new(&a), Watch::new(&b));
+    let g = group_of(&a, &[(&b, &wb)], &u).await;
+    let (e0, auth0) = agree(&[&a, &b], g).await;
+    let topic = commit_topic(&a.manager().record(g).unwrap().topic_seed);
+    let head0 = hub
+        .client(&signing_key(1))
+        .await
+        .unwrap()
+        .fetch(&topic, 0, 1)
+        .await
+        .unwrap()
+        .head;
+
+    let attacker = Raw::connect(&hub, 7001).await;
+    let a_id = attacker.id();
+    let a_key = a_id.0;
+    let victim = id_of(&signing_key(7002));
+    let other = signing_key(7003);
+    let other_signer = signer_of(&other);
+
+    // (a) Under the attacker's own device.
+    let names_victim = attacker.key_package(credential(victim, &a_key), &attacker.signer);
+    let foreign_key = attacker.key_package(credential(a_id, &id_of(&other).0), &other_signer);
+    // Both are valid MLS key packages: only hubsync's rule refuses them.
+    for kp in [&names_victim, &foreign_key] {
+        KeyPackageIn::tls_deserialize_exact(kp.as_slice())
+            .unwrap()
+            .validate(attacker.provider.crypto(), ProtocolVersion::Mls10)
+            .expect("a valid MLS key package");
+    }
+    attacker
+        .client
+        .upload_key_packages(vec![names_victim, foreign_key], None)
+        .await
+        .unwrap();
+    for _ in 0..2 {
+        assert_eq!(
+            a.invite(g, a_id).await.unwrap_err(),
+            CommitError::NoKeyPackage(a_id)
+        );
+    }
+    assert_eq!(
+        attacker.client.key_package_status().await.unwrap(),
+        (0, false),
+        "both forged packages were claimed (and refused)"
+    );
+
+    // (b) Planted under the victim by the hub's operator.
+    let core = hub.hub().core();
+    let f_with_a_key = attacker.key_package(credential(victim, &a_key), &attacker.signer);
+    let f_signed_by_a = attacker.key_package(credential(victim, &victim.0), &attacker.signer);
+    let last = attacker.key_package(credential(victim, &a_key), &attacker.signer);
+    core.upload_key_packages(victim, &[f_with_a_key, f_signed_by_a], Some(last))
+        .unwrap();
+    for _ in 0..3 {
+        assert_eq!(
+            a.invite(g, victim).await.unwrap_err(),
+            CommitError::NoKeyPackage(victim)
+        );
+    }
+    assert_eq!(
+        core.key_package_status(victim).unwrap().value,
+        (0, true),
+        "the planted pool was claimed (and refused)"
+    );
+
+    // Nothing happened to the group.
+    let head = hub
+        .client(&signing_key(1))
+        .await
+        .unwrap()
+        .fetch(&topic, 0, 1)
+        .await
+        .unwrap()
+        .head;
+    assert_eq!(head, head0, "nothing published on the commit topic");
+    assert_eq!(agree(&[&a, &b], g).await, (e0, auth0));
+    let mut want = vec![a.id(), b.id()];
+    want.sort();
+    for d in [&a, &b] {
+        assert_eq!(d.members(g).await.unwrap(), want);
+        assert!(!d.ledger_view(g).unwrap().members.contains(&victim));
+        assert!(!d.ledger_view(g).unwrap().members.contains(&a_id));
+    }
+
+    // And it goes on.
+    carry_on(&a, &[&a, &b], &[&wb], g, b"after the forged packages").await;
+    message_reaches(&b, &[&wa], g, b"b still writes").await;
+}
+
+// ---------------------------------------------------------------------------
+// 2. A member switching its credential
+// ---------------------------------------------------------------------------
+
+/// A member's new leaf keeps its identity (RFC 9420 section 5.3.1; checked
+/// by `check_leaves` in lane/pull.rs).
+///
+/// The attacker runs two devices: M, a plain openmls client that joins the
+/// group through its Welcome like any MLS client, and X, whose key package
+/// the admin also added (X never runs). M then publishes, at the group's
+/// epoch, two self-update commits that MLS itself accepts:
+/// - (i) its update path names B (an honest member) while keeping M's key;
+/// - (ii) built with X's signer, its update path is a self-consistent leaf
+///   of X (X's credential and X's key): M turning into X.
+///
+/// Every member skips both with `ForeignLeaf`, the roster lists each device
+/// once (X never twice), the epoch stays, and the group goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_cannot_switch_its_leaf_to_another_devices_identity() {
+    let hub = hub().await;
+    let u = vec![hub.url().to_string()];
+    let a = TestDevice::open(&u).await.unwrap();
+    let b = TestDevice::open(&u).await.unwrap();
+    let (wa, wb) = (Watch::new(&a), Watch::new(&b));
+    let g = group_of(&a, &[(&b, &wb)], &u).await;
+
+    let mut m = Raw::connect(&hub, 8001).await;
+    let x = Raw::connect(&hub, 8002).await;
+    m.listen_for_welcomes().await;
+    for r in [&m, &x] {
+        let kp = r.key_package(r.honest(), &r.signer);
+        r.client.upload_key_packages(vec![kp], None).await.unwrap();
+    }
+    a.invite(g, x.id()).await.unwrap();
+    a.invite(g, m.id()).await.unwrap();
+    let env = m.next_welcome().await;
+    assert_eq!(env.group, g);
+    let mut group = m.join(&env, MIXED_CIPHERTEXT_WIRE_FORMAT_POLICY);
+    let (e, auth) = agree(&[&a, &b], g).await;
+    assert_eq!(group.epoch().as_u64(), e);
+    assert_eq!(group.epoch_authenticator().as_slice(), auth.as_slice());
+    let seed = GroupExt::from_extensions(group.extensions())
+        .unwrap()
+        .expect("the hubsync extension")
+        .topic_seed;
+    let topic = commit_topic(&seed);
+    let mut roster = vec![a.id(), b.id(), m.id(), x.id()];
+    roster.sort();
+    assert_eq!(a.members(g).await.unwrap(), roster);
+
+    // (i) B's name on M's key.
+    let params = LeafNodeParameters::builder()
+        .with_credential_with_key(credential(b.id(), &m.id().0))
+        .build();
+    let commit = self_update_commit(&mut group, &m, params, None);
+    group.clear_pending_commit(m.provider.storage()).unwrap();
+    let s1 = m.publish_at_head(&topic, commit).await;
+    for w in [&wa, &wb] {
+        let r = w.judged(g, s1, e).await;
+        assert!(
+            matches!(r, Some(SkipReason::ForeignLeaf(_))),
+            "judged as {r:?} (None: merged)"
+        );
+    }
+
+    // (ii) X's own leaf (X's name, X's key, signed by X) in M's place.
+    let commit = self_update_commit(
+        &mut group,
+        &m,
+        LeafNodeParameters::default(),
+        Some(NewSignerBundle {
+            signer: &x.signer,
+            credential_with_key: x.honest(),
+        }),
+    );
+    group.clear_pending_commit(m.provider.storage()).unwrap();
+    let s2 = m.publish_at_head(&topic, commit).await;
+    for w in [&wa, &wb] {
+        let r = w.judged(g, s2, e).await;
+        assert!(
+            matches!(r, Some(SkipReason::ForeignLeaf(_))),
+            "judged as {r:?} (None: merged)"
+        );
+    }
+
+    // Nothing merged: same epoch, every device listed once.
+    assert_eq!(agree(&[&a, &b], g).await, (e, auth));
+    for d in [&a, &b] {
+        assert_eq!(d.members(g).await.unwrap(), roster, "each device once");
+    }
+    carry_on(&a, &[&a, &b], &[&wb], g, b"after the switch").await;
+    message_reaches(&b, &[&wa], g, b"b still writes").await;
+    assert_eq!(wa.stranded() + wb.stranded(), 0);
+}
+
+// ---------------------------------------------------------------------------
+// 3. A Welcome for a group id the victim holds
+// ---------------------------------------------------------------------------
+
+/// The attacker's own MLS group with the group id `g` (for a same-id
+/// Welcome, the victim's, read in the clear from any frame of its group),
+/// at `epoch` or later, with the victim
+/// added through one of its key packages (claimed by the attacker), sent to
+/// the victim's Welcome mailbox in an envelope the attacker signs.
+async fn attackers_welcome(
+    attacker: &Raw,
+    victim: DeviceId,
+    g: GroupId,
+    epoch: u64,
+    url: &str,
+) -> WelcomeEnvelope {
+    let (bytes, _) = attacker.client.claim_key_package(victim).await.unwrap();
+    let p = &attacker.provider;
+    let kp = KeyPackageIn::tls_deserialize_exact(bytes.as_slice())
+        .unwrap()
+        .validate(p.crypto(), ProtocolVersion::Mls10)
+        .unwrap();
+    let ext = GroupExt {
+        ledger_head: rand::random(),
+        topic_seed: rand::random(),
+    };
+    let mut fake = MlsGroup::new_with_group_id(
+        p,
+        &attacker.signer,
+        &create_config(ext).unwrap(),
+        openmls::group::GroupId::from_slice(&g.0),
+        attacker.honest(),
+    )
+    .unwrap();
+    while fake.epoch().as_u64() < epoch {
+        self_update_commit(&mut fake, attacker, LeafNodeParameters::default(), None);
+        fake.merge_pending_commit(p).unwrap();
+    }
+    let bundle = fake
+        .commit_builder()
+        .propose_adds([kp])
+        .load_psks(p.storage())
+        .unwrap()
+        .build(p.rand(), p.crypto(), &attacker.signer, |_| true)
+        .unwrap()
+        .stage_commit(p)
+        .unwrap();
+    let welcome = bundle
+        .to_welcome_msg()
+        .expect("an add has a Welcome")
+        .tls_serialize_detached()
+        .unwrap();
+    fake.merge_pending_commit(p).unwrap();
+    assert_eq!(fake.group_id().as_slice(), g.0);
+    WelcomeEnvelope {
+        group: g,
+        hubs: vec![url.to_string()],
+        commit_hub: url.to_string(),
+        commit_seq: 0,
+        welcome,
+        ledger: vec![0xde; 48],
+        inviter: attacker.id(),
+        signature: Vec::new(),
+    }
+    .sign(&attacker.key)
+}
+
+/// A Welcome never takes a group away (DESIGN.md section 9; `join` in
+/// peer.rs). The attacker sends the victim V:
+/// - (b) first, the same-id Welcome in an envelope naming a fresh random
+///   group id (so the "held group" test does not apply: only the check
+///   that the Welcome's group is the envelope's stops it, after the
+///   Welcome was staged in an overlay over V's store);
+/// - (c) a Welcome to the attacker's group under yet another random id Z,
+///   in an envelope naming a random id: a valid Welcome, but not for the
+///   group its envelope names (only hubsync's check stops this one; (b)
+///   is also stopped by openmls itself, which refuses a Welcome for a
+///   group id its storage holds: `GroupAlreadyExists`);
+/// - (a) then the same-id Welcome in an envelope naming the real id.
+///
+/// V handles them in order; (a) is kept aside as a pending Welcome (the
+/// design's rule: tried only once V has seen its own removal), which shows
+/// both were handled. V's real group is untouched: same epoch and epoch
+/// authenticator, no second `GroupJoined`, no record for the random id; it
+/// still reads its members' messages and commits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_welcome_with_a_held_group_id_never_replaces_the_group() {
+    let hub = hub().await;
+    let u = vec![hub.url().to_string()];
+    let a = TestDevice::open(&u).await.unwrap();
+    let (v, kv) = device_with_store(&u).await;
+    let b = TestDevice::open(&u).await.unwrap();
+    let (wa, wv, wb) = (Watch::new(&a), Watch::new(&v), Watch::new(&b));
+    let g = group_of(&a, &[(&v, &wv), (&b, &wb)], &u).await;
+    let (e0, auth0) = agree(&[&a, &v, &b], g).await;
+
+    let attacker = Raw::connect(&hub, 9001).await;
+    let env = attackers_welcome(&attacker, v.id(), g, e0 + 5, hub.url()).await;
+    let other = GroupId(rand::random());
+    let mut elsewhere = env.clone();
+    elsewhere.group = other;
+    let elsewhere = elsewhere.sign(&attacker.key);
+    let z = GroupId(rand::random());
+    let mut mismatched = attackers_welcome(&attacker, v.id(), z, 0, hub.url()).await;
+    let named = GroupId(rand::random());
+    mismatched.group = named;
+    let mismatched = mismatched.sign(&attacker.key);
+    let mailbox = welcome_topic(&v.id());
+    for e in [&elsewhere, &mismatched, &env] {
+        attacker
+            .client
+            .publish(mailbox_publish(&mailbox, e.encode()))
+            .await
+            .unwrap();
+    }
+    let records = Records::new(kv.clone());
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while records.pending_welcome(&g).unwrap() != Some(env.encode()) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the Welcome was never handled"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    assert_eq!(wv.joined(g), 1, "joined once, at the real invite");
+    assert_eq!(v.epoch(g).await.unwrap(), e0);
+    assert_eq!(v.epoch_authenticator(g).await.unwrap(), auth0);
+    assert_eq!(v.groups().unwrap(), vec![g]);
+    assert!(records.group(&other).unwrap().is_none());
+    assert!(records.pending_welcome(&other).unwrap().is_none());
+    assert_eq!(wv.joined(other), 0);
+    for id in [z, named] {
+        assert!(records.group(&id).unwrap().is_none());
+        assert_eq!(wv.joined(id), 0);
+    }
+
+    // The real group goes on, with V in it.
+    message_reaches(&a, &[&wv, &wb], g, b"the real group").await;
+    carry_on(&v, &[&a, &v, &b], &[&wa, &wb], g, b"v commits and writes").await;
+    assert_eq!(wa.stranded() + wv.stranded() + wb.stranded(), 0);
+}
+
+/// The same same-id Welcome, sent when the victim V holds a real re-invite
+/// aside: the admin removed V and invited it again while V had not yet
+/// read its removal (here: V's pulls are held with the `no_pull` test
+/// fault), so the real Welcome is kept for after the removal. The
+/// attacker's same-id Welcome arrives after it. Once V reads its removal,
+/// it must join the real group again (the admin's epoch authenticator), not
+/// the attacker's group under the real id.
+///
+/// FAILS at the time of writing: the attack succeeds. `join` (peer.rs,
+/// the `records.group(&env.group)?.is_some()` branch at its start) keeps
+/// any signed envelope for a held group id in the group's single pending
+/// slot, overwriting the one there, without checking who signed it (any
+/// stranger can), what its Welcome is, or whether its inviter is a member
+/// or admin of the held group; `leave` (peer.rs, after the purge) then
+/// joins whatever the slot holds. So V ends in the attacker's group under
+/// the real group id, with the attacker's hubs, and the real re-invite is
+/// lost (it was acked). It should keep aside only a Welcome whose inviter
+/// may invite in the group it holds (an admin of its ledger), never let a
+/// stranger's Welcome displace one, and on joining it after the removal
+/// check the same again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_same_id_welcome_never_displaces_a_real_reinvite_kept_for_after_removal() {
+    let hub = hub().await;
+    let u = vec![hub.url().to_string()];
+    let a = TestDevice::open(&u).await.unwrap();
+    let (v, kv) = device_with_store(&u).await;
+    let wv = Watch::new(&v);
+    let g = group_of(&a, &[(&v, &wv)], &u).await;
+    let (e0, _) = agree(&[&a, &v], g).await;
+
+    v.manager().faults().no_pull.store(true, SeqCst);
+    a.remove(g, v.id()).await.unwrap();
+    invite_with_retry(&a, g, v.id()).await;
+    let records = Records::new(kv.clone());
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while records.pending_welcome(&g).unwrap().is_none() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the real re-invite never arrived"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let real = records.pending_welcome(&g).unwrap().unwrap();
+
+    let attacker = Raw::connect(&hub, 9101).await;
+    let env = attackers_welcome(&attacker, v.id(), g, e0 + 5, hub.url()).await;
+    attacker
+        .client
+        .publish(mailbox_publish(&welcome_topic(&v.id()), env.encode()))
+        .await
+        .unwrap();
+    // Give V the time to handle it (it is kept aside, or refused: nothing
+    // to see from outside either way).
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let kept = records.pending_welcome(&g).unwrap();
+    let displaced = kept.as_deref() != Some(real.as_slice());
+
+    // V reads its removal, then joins what it kept.
+    v.manager().faults().no_pull.store(false, SeqCst);
+    let _ = v.manager().pull(g).await;
+    wv.until(
+        "V removed",
+        |e| matches!(e, Event::Removed { group } if *group == g),
+    )
+    .await;
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while wv.joined(g) < 2 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "V never joined again"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (ea, auth_a) = agree(&[&a], g).await;
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let ev = v.epoch(g).await.ok();
+        let av = v.epoch_authenticator(g).await.ok();
+        if ev == Some(ea) && av.as_deref() == Some(auth_a.as_slice()) {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline && ev.is_none_or(|e| e <= ea),
+            "V rejoined a group under the real id that is not the real group \
+             (epoch {ev:?}, the real one is at {ea}); the attacker's Welcome \
+             displaced the real re-invite kept aside: {displaced}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        !displaced,
+        "the attacker's Welcome replaced the real one kept aside"
+    );
+    message_reaches(&a, &[&wv], g, b"back in the real group").await;
+}
+
+// ---------------------------------------------------------------------------
+// 4. A flood of envelopes for unknown groups
+// ---------------------------------------------------------------------------
+
+/// How many envelopes the flood sends.
+const FLOOD: usize = 20_000;
+
+/// State for an unknown group is created only after the envelope and the
+/// Welcome verify (DESIGN.md section 9; `accept_welcome` in manager.rs and
+/// `join` in peer.rs, which stages the Welcome in an overlay).
+///
+/// A stranger posts `FLOOD` envelopes to the victim V's Welcome mailbox
+/// (an unthrottled hub: the per-sender rate is not what is tested), each
+/// for a fresh random group id: signed envelopes holding random bytes, or
+/// a real MLS Welcome addressed to another device's key package; some with
+/// a broken signature; some not even an envelope. Then a marker: an
+/// envelope for V's real group id, which V keeps aside (handled in mailbox
+/// order, it shows V went through the whole flood).
+///
+/// V's store grows by a constant (the marker and bookkeeping), not with
+/// the flood: no group record, no pending Welcome, no key naming any of
+/// the flood's group ids; its groups are the same; and it still reads and
+/// commits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_envelopes_for_unknown_groups_leaves_no_state() {
+    let hub = hub().await;
+    let u = vec![hub.url().to_string()];
+    let a = TestDevice::open(&u).await.unwrap();
+    let (v, kv) = device_with_store(&u).await;
+    let (wa, wv) = (Watch::new(&a), Watch::new(&v));
+    let g = group_of(&a, &[(&v, &wv)], &u).await;
+    agree(&[&a, &v], g).await;
+    // Let V settle (key package restock, outbox) before measuring.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (keys0, bytes0) = store_size(&*kv);
+
+    let attacker = Raw::connect(&hub, 9201).await;
+    // A real Welcome, for a key package that is not V's.
+    let foreign = {
+        let bystander = Raw::connect(&hub, 9202).await;
+        let kp = KeyPackageIn::tls_deserialize_exact(
+            bystander
+                .key_package(bystander.honest(), &bystander.signer)
+                .as_slice(),
+        )
+        .unwrap()
+        .validate(attacker.provider.crypto(), ProtocolVersion::Mls10)
+        .unwrap();
+        let p = &attacker.provider;
+        let mut own = MlsGroup::new_with_group_id(
+            p,
+            &attacker.signer,
+            &create_config(GroupExt {
+                ledger_head: [1; 32],
+                topic_seed: [2; 32],
+            })
+            .unwrap(),
+            openmls::group::GroupId::from_slice(&[3; 32]),
+            attacker.honest(),
+        )
+        .unwrap();
+        own.commit_builder()
+            .propose_adds([kp])
+            .load_psks(p.storage())
+            .unwrap()
+            .build(p.rand(), p.crypto(), &attacker.signer, |_| true)
+            .unwrap()
+            .stage_commit(p)
+            .unwrap()
+            .to_welcome_msg()
+            .unwrap()
+            .tls_serialize_detached()
+            .unwrap()
+    };
+    let mailbox = welcome_topic(&v.id());
+    let mut ids = Vec::with_capacity(FLOOD);
+    let mut payloads = Vec::with_capacity(FLOOD);
+    for i in 0..FLOOD {
+        let group = GroupId(rand::random());
+        ids.push(group);
+        if i % 50 == 7 {
+            payloads.push(rand::random::<[u8; 32]>().to_vec());
+            continue;
+        }
+        let welcome = if i % 2 == 0 {
+            foreign.clone()
+        } else {
+            (0..64 + i % 256).map(|_| rand::random::<u8>()).collect()
+        };
+        let mut env = WelcomeEnvelope {
+            group,
+            hubs: vec![hub.url().to_string()],
+            commit_hub: hub.url().to_string(),
+            commit_seq: i as u64,
+            welcome,
+            ledger: rand::random::<[u8; 32]>().to_vec(),
+            inviter: attacker.id(),
+            signature: Vec::new(),
+        }
+        .sign(&attacker.key);
+        if i % 10 == 3 {
+            env.signature[0] ^= 1;
+        }
+        payloads.push(env.encode());
+    }
+    let started = std::time::Instant::now();
+    let client = attacker.client.clone();
+    let accepted = futures::stream::iter(payloads)
+        .map(|payload| {
+            let c = client.clone();
+            let p = mailbox_publish(&mailbox, payload);
+            async move { c.publish(p).await }
+        })
+        .buffer_unordered(64)
+        .filter(|r| futures::future::ready(matches!(r, Ok(PublishOutcome::Accepted { .. }))))
+        .count()
+        .await;
+    assert_eq!(accepted, FLOOD, "the hub took the whole flood");
+    let marker = WelcomeEnvelope {
+        group: g,
+        hubs: vec![],
+        commit_hub: String::new(),
+        commit_seq: 0,
+        welcome: vec![0; 8],
+        ledger: vec![],
+        inviter: attacker.id(),
+        signature: Vec::new(),
+    }
+    .sign(&attacker.key);
+    attacker
+        .client
+        .publish(mailbox_publish(&mailbox, marker.encode()))
+        .await
+        .unwrap();
+    let published = started.elapsed();
+    let records = Records::new(kv.clone());
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(600);
+    while records.pending_welcome(&g).unwrap() != Some(marker.encode()) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "V never got through the flood"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    eprintln!(
+        "flood of {FLOOD}: published in {published:?}, handled by V in {:?}",
+        started.elapsed()
+    );
+
+    let (keys1, bytes1) = store_size(&*kv);
+    eprintln!(
+        "V's store: {} keys / {bytes0} bytes before, {} keys / {bytes1} bytes after",
+        keys0.len(),
+        keys1.len()
+    );
+    assert_eq!(v.groups().unwrap(), vec![g]);
+    for id in &ids {
+        assert!(records.group(id).unwrap().is_none());
+        assert!(records.pending_welcome(id).unwrap().is_none());
+    }
+    let new: Vec<&Vec<u8>> = keys1.iter().filter(|k| !keys0.contains(k)).collect();
+    for id in ids.iter().step_by(97) {
+        let hex = hex::encode(id.0);
+        for k in &new {
+            assert!(
+                !k.windows(32).any(|w| w == id.0) && !String::from_utf8_lossy(k).contains(&hex),
+                "a key names a flood group: {}",
+                String::from_utf8_lossy(k)
+            );
+        }
+    }
+    assert!(
+        new.len() <= 32,
+        "V's store grew by {} keys: {:?}",
+        new.len(),
+        new.iter()
+            .map(|k| String::from_utf8_lossy(k))
+            .collect::<Vec<_>>()
+    );
+    assert!(
+        bytes1 <= bytes0 + 256 * 1024,
+        "V's store grew from {bytes0} to {bytes1} bytes"
+    );
+
+    // V is fine.
+    message_reaches(&a, &[&wv], g, b"after the flood").await;
+    carry_on(&v, &[&a, &v], &[&wa], g, b"v commits after the flood").await;
+}
+
+// ---------------------------------------------------------------------------
+// 5. A removed member writing on the commit topic
+// ---------------------------------------------------------------------------
+
+/// A frame whose publisher is not in the roster at that epoch is never
+/// evidence (DESIGN.md section 9; `classify` in lane/classify.rs).
+///
+/// C builds a real commit at its last epoch and never publishes it (the
+/// `halt_after_journal` fault stops it after the journal); B goes offline;
+/// A removes C. C, with its own key on its own connection, on the commit
+/// topic from its old record's topic seed, publishes: its real commit;
+/// copies claiming the current epoch and the next one (the one that would
+/// strand a reader that took it for a member's); a copy of the removal
+/// commit itself (each skipped as `Stranger`); garbage (`Garbage`). A
+/// skips each; B, back online, applies its removal first and skips the
+/// same five for the same reasons. Nobody is stranded
+/// and the group goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removed_members_frames_on_the_commit_topic_strand_nobody() {
+    let hub = hub().await;
+    let u = vec![hub.url().to_string()];
+    let a = TestDevice::open(&u).await.unwrap();
+    let mut b = TestDevice::open(&u).await.unwrap();
+    let mut c = TestDevice::open(&u).await.unwrap();
+    let (wa, wb0, wc) = (Watch::new(&a), Watch::new(&b), Watch::new(&c));
+    let g = group_of(&a, &[(&b, &wb0), (&c, &wc)], &u).await;
+    agree(&[&a, &b, &c], g).await;
+
+    // C's unpublished commit, its identity and its old record's seed.
+    let seed = c.manager().record(g).unwrap().topic_seed;
+    c.manager().faults().no_pull.store(true, SeqCst);
+    c.manager().faults().halt_after_journal.store(true, SeqCst);
+    assert_eq!(c.rotate_keys(g).await.unwrap_err(), CommitError::Stopped);
+    let cid = c.id();
+    c.close().await;
+    let (c_key, c_commit) = {
+        let kv: Arc<dyn KvStore> = Arc::new(open_sled(c.dir()).await.unwrap());
+        let id = DeviceIdentity::load(&*kv).unwrap().expect("C's identity");
+        let j = Records::new(kv).journal(&g).unwrap().expect("C's journal");
+        (id.signing_key().clone(), j.payload)
+    };
+    let (_, c_epoch) = mls_header(&c_commit);
+
+    b.close().await;
+    a.remove(g, cid).await.unwrap();
+    let (e, _) = agree(&[&a], g).await;
+    assert_eq!(e, c_epoch + 1);
+    let topic = commit_topic(&seed);
+    let removed = Raw {
+        signer: signer_of(&c_key),
+        client: hub.client(&c_key).await.unwrap(),
+        key: c_key,
+        provider: OpenMlsRustCrypto::default(),
+        pushes: None,
+    };
+    let log = removed.client.fetch(&topic, 0, 100).await.unwrap();
+    let removal = log.messages.last().expect("the removal").payload.clone();
+    assert_eq!(mls_header(&removal).1, c_epoch);
+    // Each frame and why it must be skipped: a well-formed frame of the
+    // group is judged on its publisher, who is no member; garbage is
+    // garbage before anything else.
+    let frames = vec![
+        (c_commit.clone(), SkipReason::Stranger),
+        (with_epoch(&c_commit, e), SkipReason::Stranger),
+        (with_epoch(&c_commit, e + 1), SkipReason::Stranger),
+        (removal, SkipReason::Stranger),
+        (b"not an MLS message".to_vec(), SkipReason::Garbage),
+    ];
+    let mut seqs = Vec::new();
+    for (f, why) in frames {
+        seqs.push((removed.publish_anyway(&topic, f).await, why));
+    }
+    for (s, why) in &seqs {
+        assert_eq!(&wa.skipped_at(g, *s).await, why, "frame {s}");
+    }
+
+    // B was away: it reads the removal, then the removed member's frames.
+    b.reopen().await.unwrap();
+    let wb = Watch::new(&b);
+    for (s, why) in &seqs {
+        assert_eq!(&wb.skipped_at(g, *s).await, why, "frame {s} on B");
+    }
+    assert_eq!(agree(&[&a, &b], g).await.0, e);
+    carry_on(&a, &[&a, &b], &[&wb], g, b"after the removed member").await;
+    message_reaches(&b, &[&wa], g, b"b writes too").await;
+    assert_eq!(
+        wa.stranded() + wb0.stranded() + wb.stranded(),
+        0,
+        "nobody stranded"
+    );
+}
+
+// ---------------------------------------------------------------------------
+// 6. A standard client's PublicMessage commit
+// ---------------------------------------------------------------------------
+
+/// Compatibility, not an attack: a member that is a plain openmls client
+/// sending its handshake messages as PublicMessage (outgoing plaintext,
+/// `MIXED_PLAINTEXT_WIRE_FORMAT_POLICY`) commits a self-update; the
+/// hubsync members merge it (same epoch authenticator as the client's),
+/// the client reads their messages and follows their next commit, and
+/// they go on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standard_clients_public_message_commit_is_accepted() {
+    let hub = hub().await;
+    let u = vec![hub.url().to_string()];
+    let a = TestDevice::open(&u).await.unwrap();
+    let b = TestDevice::open(&u).await.unwrap();
+    let (wa, wb) = (Watch::new(&a), Watch::new(&b));
+    let g = group_of(&a, &[(&b, &wb)], &u).await;
+
+    let mut m = Raw::connect(&hub, 8101).await;
+    m.listen_for_welcomes().await;
+    let kp = m.key_package(m.honest(), &m.signer);
+    m.client.upload_key_packages(vec![kp], None).await.unwrap();
+    a.invite(g, m.id()).await.unwrap();
+    let env = m.next_welcome().await;
+    let mut group = m.join(&env, MIXED_PLAINTEXT_WIRE_FORMAT_POLICY);
+    let (e, _) = agree(&[&a, &b], g).await;
+    assert_eq!(group.epoch().as_u64(), e);
+    let seed = GroupExt::from_extensions(group.extensions())
+        .unwrap()
+        .unwrap()
+        .topic_seed;
+    let topic = commit_topic(&seed);
+    // The app topic of the epoch of the last roster change: this one.
+    let app = app_topic(
+        &group
+            .export_secret(m.provider.crypto(), APP_TOPIC_LABEL, &[], 32)
+            .unwrap(),
+    );
+
+    let commit = self_update_commit(&mut group, &m, LeafNodeParameters::default(), None);
+    let pm = MlsMessageIn::tls_deserialize_exact(commit.as_slice())
+        .unwrap()
+        .try_into_protocol_message()
+        .unwrap();
+    assert!(
+        matches!(pm, openmls::prelude::ProtocolMessage::PublicMessage(_)),
+        "a PublicMessage commit"
+    );
+    let seq = m.publish_at_head(&topic, commit).await;
+    group.merge_pending_commit(&m.provider).unwrap();
+    let (e1, auth1) = agree(&[&a, &b], g).await;
+    assert_eq!(e1, e + 1);
+    assert_eq!(auth1.as_slice(), group.epoch_authenticator().as_slice());
+    for w in [&wa, &wb] {
+        assert_eq!(
+            w.count(|ev| matches!(ev, Event::FrameSkipped { seq: s, .. } if *s == seq)),
+            0,
+            "the PublicMessage commit was not skipped"
+        );
+    }
+
+    // The client reads a member's message, and follows a member's commit.
+    message_reaches(&a, &[&wb], g, b"to everyone, m too").await;
+    let frames = m.client.fetch(&app, 0, 100).await.unwrap().messages;
+    let mut read = Vec::new();
+    for f in frames {
+        let pm = MlsMessageIn::tls_deserialize_exact(f.payload.as_slice())
+            .unwrap()
+            .try_into_protocol_message()
+            .unwrap();
+        if let ProcessedMessageContent::ApplicationMessage(am) = group
+            .process_message(&m.provider, pm)
+            .unwrap()
+            .into_content()
+        {
+            let msg: AppMessage = postcard::from_bytes(&am.into_bytes()).unwrap();
+            read.push(msg.body);
+        }
+    }
+    assert_eq!(read, vec![b"to everyone, m too".to_vec()]);
+    carry_on(&b, &[&a, &b], &[&wa], g, b"b commits after m").await;
+    let next = m.client.fetch(&topic, seq, 100).await.unwrap().messages;
+    assert_eq!(next.len(), 1, "b's rotation");
+    let pm = MlsMessageIn::tls_deserialize_exact(next[0].payload.as_slice())
+        .unwrap()
+        .try_into_protocol_message()
+        .unwrap();
+    let ProcessedMessageContent::StagedCommitMessage(staged) = group
+        .process_message(&m.provider, pm)
+        .unwrap()
+        .into_content()
+    else {
+        panic!("b's rotation is a commit")
+    };
+    group.merge_staged_commit(&m.provider, *staged).unwrap();
+    assert_eq!(
+        group.epoch_authenticator().as_slice(),
+        a.epoch_authenticator(g).await.unwrap().as_slice()
+    );
+    assert_eq!(wa.stranded() + wb.stranded(), 0);
+}
