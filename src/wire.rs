@@ -95,7 +95,17 @@ impl fmt::Debug for StoreId {
     }
 }
 
+/// The first byte of a device's mailbox topic ([`TopicId::mailbox`]).
+pub const MAILBOX_TOPIC_TAG: u8 = 0x01;
+
 /// An opaque topic id (1 to the hub's topic limit, 256 bytes by default).
+///
+/// One form is reserved: 33 bytes, [`MAILBOX_TOPIC_TAG`] followed by a
+/// device id, is **the mailbox of that device** ([`TopicId::mailbox`]).
+/// The hub, which knows nothing else about topics, knows this much: only
+/// that device may subscribe to it or fetch it, anyone may post to it
+/// (mailbox class only, within a per-sender rate), and its deliveries go to
+/// that device alone. Every other byte string is an ordinary topic.
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct TopicId(pub Vec<u8>);
 
@@ -103,6 +113,24 @@ impl TopicId {
     /// The raw bytes.
     pub fn as_bytes(&self) -> &[u8] {
         &self.0
+    }
+
+    /// The mailbox of `device`: [`MAILBOX_TOPIC_TAG`] followed by the 32
+    /// bytes of the device id (33 bytes in all).
+    pub fn mailbox(device: &DeviceId) -> TopicId {
+        let mut b = Vec::with_capacity(33);
+        b.push(MAILBOX_TOPIC_TAG);
+        b.extend_from_slice(device.as_bytes());
+        TopicId(b)
+    }
+
+    /// Whose mailbox this topic is, when it has the reserved form; `None`
+    /// for every ordinary topic.
+    pub fn mailbox_owner(&self) -> Option<DeviceId> {
+        match self.0.split_first() {
+            Some((&MAILBOX_TOPIC_TAG, rest)) => Some(DeviceId(<[u8; 32]>::try_from(rest).ok()?)),
+            _ => None,
+        }
     }
 }
 
@@ -450,10 +478,12 @@ pub enum HubError {
     /// A head condition on a mailbox publish, which has no head.
     #[error("a mailbox publish cannot carry a head condition")]
     HeadConditionOnMailbox,
-    /// Too many requests from this device or to this topic.
+    /// A token bucket is empty: too many requests from this device, to
+    /// this topic, to this mailbox from this sender, or key-package claims
+    /// by this claimer or for this target.
     #[error("rate limited ({scope}); retry in {retry_after_ms} ms")]
     RateLimited {
-        /// `device` or `topic`.
+        /// Which bucket: `device`, `topic`, `mailbox`, `claimer` or `target`.
         scope: String,
         /// When a token is available again.
         retry_after_ms: u64,
@@ -526,6 +556,35 @@ pub enum HubError {
     Internal {
         /// What failed.
         reason: String,
+    },
+    /// The device may not do this: subscribe to or fetch another device's
+    /// mailbox, or publish a log frame on a mailbox topic.
+    #[error("not authorized")]
+    NotAuthorized,
+    /// The publish would take the payload bytes this device has stored on
+    /// the hub (log and mailbox frames it published that are still held)
+    /// over its quota; nothing was stored. Room comes back as its frames
+    /// are acked, trimmed or expire.
+    #[error("storage quota: {stored} bytes stored, adding {adding} exceeds {max}")]
+    StorageQuotaExceeded {
+        /// Payload bytes the device has stored now.
+        stored: u64,
+        /// Payload bytes of the refused publish.
+        adding: u64,
+        /// The quota.
+        max: u64,
+    },
+    /// Not an answer but a notice on the receive stream: the device's
+    /// delivery queue was full, so `count` deliveries meant for it were
+    /// never queued, the first of them after delivery id `after_id`. Log
+    /// frames among them can still be read with `fetch`; mailbox frames
+    /// are lost to this device.
+    #[error("delivery queue full: {count} deliveries after id {after_id} were dropped")]
+    DeliveriesDropped {
+        /// The last delivery id queued before the first dropped one.
+        after_id: u64,
+        /// How many deliveries were dropped.
+        count: u64,
     },
 }
 
@@ -899,6 +958,67 @@ mod tests {
             result: Ok(Response::ReceiveStarted { last_id: 300 }),
         };
         assert_eq!(started.encode(), vec![0x03, 0x07, 0x00, 0x04, 0xac, 0x02]);
+    }
+
+    #[test]
+    fn access_and_quota_bytes_match_the_protocol_page() {
+        // The worked examples of docs/protocol.md, section 13.
+        let refused = ServerFrame::Response {
+            id: 7,
+            result: Err(HubError::NotAuthorized),
+        };
+        assert_eq!(refused.encode(), vec![0x03, 0x07, 0x01, 0x1c]);
+        let over = ServerFrame::Response {
+            id: 7,
+            result: Err(HubError::StorageQuotaExceeded {
+                stored: 600,
+                adding: 500,
+                max: 1000,
+            }),
+        };
+        assert_eq!(
+            over.encode(),
+            vec![0x03, 0x07, 0x01, 0x1d, 0xd8, 0x04, 0xf4, 0x03, 0xe8, 0x07]
+        );
+        let notice = ServerFrame::Error(HubError::DeliveriesDropped {
+            after_id: 5,
+            count: 25,
+        });
+        assert_eq!(notice.encode(), vec![0x05, 0x1e, 0x05, 0x19]);
+        for f in [refused, over, notice] {
+            assert_eq!(ServerFrame::decode(&f.encode(), 1 << 20).unwrap(), f);
+        }
+    }
+
+    #[test]
+    fn the_mailbox_topic_form_names_its_device_and_nothing_else() {
+        // The worked example of docs/protocol.md, section 9.
+        let d = DeviceId([0x11; 32]);
+        let t = TopicId::mailbox(&d);
+        let mut want = vec![MAILBOX_TOPIC_TAG];
+        want.extend([0x11; 32]);
+        assert_eq!(t.0, want);
+        assert_eq!(t.mailbox_owner(), Some(d));
+        let sub = ClientFrame::Request {
+            id: 7,
+            op: Request::Subscribe {
+                topic: t,
+                retention_secs: None,
+            },
+        };
+        let mut bytes = vec![0x02, 0x07, 0x02, 0x21, 0x01];
+        bytes.extend([0x11; 32]);
+        bytes.push(0x00);
+        assert_eq!(sub.encode(), bytes);
+        // One byte more or less, or another first byte: an ordinary topic.
+        assert_eq!(TopicId(want[..32].to_vec()).mailbox_owner(), None);
+        let mut longer = want.clone();
+        longer.push(0);
+        assert_eq!(TopicId(longer).mailbox_owner(), None);
+        let mut other = want;
+        other[0] = 0x02;
+        assert_eq!(TopicId(other).mailbox_owner(), None);
+        assert_eq!(TopicId::from("t").mailbox_owner(), None);
     }
 
     proptest! {

@@ -221,8 +221,9 @@ pub enum SendFailure {
 impl SendFailure {
     /// How a [`ClientError`] from a publish maps onto the outbox's decision:
     /// connection-level failures, rate limiting and a hub that is shutting
-    /// down or failing internally are transient; a hub error that judges the
-    /// publish itself (size, topic, retention, conflict) is a refusal.
+    /// down or failing internally, and a storage quota the device is over
+    /// for now, are transient; a hub error that judges the publish itself
+    /// (size, topic, retention, conflict, not authorized) is a refusal.
     pub fn from_client_error(e: ClientError) -> SendFailure {
         let retry = |reason: String| SendFailure::Retry {
             reason,
@@ -246,7 +247,12 @@ impl SendFailure {
                 | HubError::ChallengeReplayed
                 | HubError::ChallengeExpired
                 | HubError::WrongHub { .. }
-                | HubError::ReceiveReplaced => retry(h.to_string()),
+                | HubError::ReceiveReplaced
+                // Room comes back as the device's stored frames are acked,
+                // trimmed or expire; the entry's maximum age still ends it.
+                | HubError::StorageQuotaExceeded { .. }
+                // A notice of the receive stream, never a publish answer.
+                | HubError::DeliveriesDropped { .. } => retry(h.to_string()),
                 HubError::Malformed { .. }
                 | HubError::FrameTooLarge { .. }
                 | HubError::UnknownFrameKind { .. }
@@ -262,6 +268,7 @@ impl SendFailure {
                 | HubError::BadKeyPackage { .. }
                 | HubError::KeyPackagePoolFull { .. }
                 | HubError::NoKeyPackage
+                | HubError::NotAuthorized
                 | HubError::Conflict { .. } => SendFailure::Refused(h),
             },
             other @ (ClientError::Connect { .. }

@@ -40,9 +40,13 @@ pub fn app_topic(exporter_secret: &[u8]) -> TopicId {
     derive(b"app", exporter_secret)
 }
 
-/// A device's own mailbox for Welcomes.
+/// A device's own mailbox for Welcomes: the hub's reserved mailbox form
+/// ([`TopicId::mailbox`]: `0x01` followed by the 32 bytes of the device id),
+/// so the hub lets only that device subscribe to it or fetch it, while
+/// anyone may post to it within a per-sender rate. Unlike the group's
+/// topics it is not secret: it names its owner.
 pub fn welcome_topic(device: &DeviceId) -> TopicId {
-    derive(b"welcome", device.as_bytes())
+    TopicId::mailbox(device)
 }
 
 #[cfg(test)]
@@ -56,5 +60,16 @@ mod tests {
         assert_eq!(commit_topic(&g), commit_topic(&g));
         assert_ne!(commit_topic(&g), commit_topic(&[8u8; 32]));
         assert_eq!(commit_topic(&g).0.len(), 32);
+    }
+
+    #[test]
+    fn welcome_topic_is_the_hubs_reserved_mailbox_of_the_device() {
+        let d = DeviceId([7; 32]);
+        let t = welcome_topic(&d);
+        assert_eq!(t.0.len(), 33);
+        assert_eq!(t.0[0], crate::wire::MAILBOX_TOPIC_TAG);
+        assert_eq!(t.mailbox_owner(), Some(d));
+        // No group topic can take that form: they are 32-byte hashes.
+        assert_eq!(commit_topic(&[7; 32]).mailbox_owner(), None);
     }
 }

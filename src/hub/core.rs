@@ -13,9 +13,9 @@
 //! identity that a crash cannot take back.
 
 use super::flush::GroupCommit;
-use super::layout::{self as l, DeliveryRef, DeviceMeta, ExpiryKind, KeyPackageMeta};
+use super::layout::{self as l, DeliveryRef, DeviceMeta, DeviceUsage, ExpiryKind, KeyPackageMeta};
 use super::layout::{PublishRecord, StoredFrame, Subscription, TopicMeta};
-use super::limits::{Limits, RateLimiter};
+use super::limits::{Limits, RateKey, RateLimiter};
 use crate::clock::Clock;
 use crate::kv::{KvError, KvStore, WriteBatch};
 use crate::rng::SharedRng;
@@ -24,6 +24,7 @@ use crate::wire::{
     RetentionClass, StoreId, TopicId,
 };
 use sha2::{Digest, Sha256};
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -44,6 +45,9 @@ pub struct Published {
     pub outcome: PublishOutcome,
     /// Devices that got a new delivery.
     pub recipients: Vec<DeviceId>,
+    /// Subscribers whose delivery was dropped because their queue was full
+    /// (their receive stream, if any, is woken to report it).
+    pub dropped_for: Vec<DeviceId>,
 }
 
 /// A page of a device's deliveries.
@@ -55,6 +59,10 @@ pub struct DeliveryBatch {
     pub scanned_through: u64,
     /// Whether more may follow right away.
     pub more: bool,
+    /// On the last page only: `(after_id, count)` when deliveries to this
+    /// device were dropped because its queue was full and that was not yet
+    /// reported. Report it, then [`HubCore::clear_dropped`] the count.
+    pub dropped: Option<(u64, u64)>,
 }
 
 /// What one purge pass removed.
@@ -79,6 +87,62 @@ pub(crate) struct Counters {
     pub conflicts: AtomicU64,
     pub history_missing: AtomicU64,
     pub trimmed: AtomicU64,
+    pub deliveries_dropped: AtomicU64,
+    pub quota_refusals: AtomicU64,
+    pub not_authorized: AtomicU64,
+}
+
+/// The usage records one operation reads and changes, staged into its
+/// batch at the end (only those that changed).
+struct UsageStage {
+    map: HashMap<DeviceId, (DeviceUsage, DeviceUsage)>,
+}
+
+impl UsageStage {
+    fn new() -> Self {
+        Self {
+            map: HashMap::new(),
+        }
+    }
+
+    /// `device`'s usage as this operation has changed it so far.
+    fn get(&mut self, core: &HubCore, device: DeviceId) -> Result<&mut DeviceUsage, HubError> {
+        let slot = match self.map.entry(device) {
+            Entry::Occupied(e) => e.into_mut(),
+            Entry::Vacant(v) => {
+                let u: DeviceUsage = core.read(&l::device_usage(&device))?.unwrap_or_default();
+                v.insert((u, u))
+            }
+        };
+        Ok(&mut slot.1)
+    }
+
+    /// A frame of `sender` holding `bytes` of payload is going away.
+    fn release_bytes(
+        &mut self,
+        core: &HubCore,
+        sender: DeviceId,
+        bytes: usize,
+    ) -> Result<(), HubError> {
+        let u = self.get(core, sender)?;
+        u.stored_bytes = u.stored_bytes.saturating_sub(bytes as u64);
+        Ok(())
+    }
+
+    /// One queued delivery of `device` is going away.
+    fn release_delivery(&mut self, core: &HubCore, device: DeviceId) -> Result<(), HubError> {
+        let u = self.get(core, device)?;
+        u.queued = u.queued.saturating_sub(1);
+        Ok(())
+    }
+
+    fn stage(self, batch: &mut WriteBatch) {
+        for (device, (read, now)) in self.map {
+            if read != now {
+                batch.put(l::device_usage(&device), l::encode(&now));
+            }
+        }
+    }
 }
 
 /// The hub's logic: publish, fetch, subscriptions, deliveries, key packages,
@@ -253,6 +317,12 @@ impl HubCore {
         if p.class == RetentionClass::Mailbox && p.expected_head != ExpectedHead::Unconditional {
             return Err(HubError::HeadConditionOnMailbox);
         }
+        // A device's mailbox takes mailbox frames only: a log there would be
+        // a second, fetchable channel into it.
+        let owner = p.topic.mailbox_owner();
+        if owner.is_some() && p.class == RetentionClass::Log {
+            return Err(self.not_authorized());
+        }
         let retention_ms = self.retention_ms(p.retention_secs)?;
         let digest = content_digest(p.class, &p.payload);
 
@@ -262,6 +332,7 @@ impl HubCore {
                 value: Published {
                     outcome,
                     recipients: Vec::new(),
+                    dropped_for: Vec::new(),
                 },
                 // Even a refusal waits for what it read to be durable: a
                 // head it reports must not be one a crash could take back.
@@ -282,7 +353,14 @@ impl HubCore {
         // Rate limits count new work only: a retry answered from the
         // idempotency record above costs no token, so a replay after an
         // outage is never refused as rate limited.
-        self.rate.check(&sender, Some(&p.topic))?;
+        let mut keys = vec![RateKey::Device(&sender), RateKey::Topic(&p.topic)];
+        if let Some(owner) = &owner {
+            keys.push(RateKey::Mailbox {
+                sender: &sender,
+                owner,
+            });
+        }
+        self.rate.check_all(&keys)?;
         if p.replay_only {
             self.counters
                 .history_missing
@@ -320,12 +398,26 @@ impl HubCore {
             vec![],
         );
 
+        let mut usage = UsageStage::new();
         let mut recipients = Vec::new();
-        for (k, v) in self
-            .store
-            .scan_prefix(&l::subscriber_prefix(&p.topic), usize::MAX)
-            .map_err(internal)?
-        {
+        let mut dropped_for = Vec::new();
+        // A device's mailbox delivers to that device alone, whoever else
+        // may hold a subscription to it (one made before the form was
+        // reserved, say).
+        let subscribers = match &owner {
+            Some(owner) => {
+                let k = l::subscriber(&p.topic, owner);
+                match self.store.get(&k).map_err(internal)? {
+                    Some(v) => vec![(k, v)],
+                    None => Vec::new(),
+                }
+            }
+            None => self
+                .store
+                .scan_prefix(&l::subscriber_prefix(&p.topic), usize::MAX)
+                .map_err(internal)?,
+        };
+        for (k, v) in subscribers {
             let Some(dev) = k
                 .get(k.len().saturating_sub(32)..)
                 .and_then(|b| <[u8; 32]>::try_from(b).ok())
@@ -339,6 +431,19 @@ impl HubCore {
             let sub: Subscription = l::decode(&k, &v).map_err(internal)?;
             let dmeta_key = l::device_meta(&dev);
             let mut dmeta: DeviceMeta = self.read(&dmeta_key)?.unwrap_or_default();
+            // A full queue drops the new delivery: publishers never wait or
+            // fail for a subscriber that does not read, and what is queued
+            // stays in order. The drop is counted and reported.
+            let u = usage.get(self, dev)?;
+            if u.queued >= self.limits.max_queued_deliveries {
+                if u.dropped == 0 {
+                    u.dropped_after = dmeta.last_delivery;
+                }
+                u.dropped += 1;
+                dropped_for.push(dev);
+                continue;
+            }
+            u.queued += 1;
             dmeta.last_delivery += 1;
             let dkey = l::delivery(&dev, dmeta.last_delivery);
             let expires = now.saturating_add(sub.retention_secs.saturating_mul(1000));
@@ -354,6 +459,22 @@ impl HubCore {
             batch.put(l::expiry(expires, ExpiryKind::Delivery, &dkey), vec![]);
             batch.put(dmeta_key, l::encode(&dmeta));
             recipients.push(dev);
+        }
+
+        // The publisher's stored bytes: counted for a frame the hub keeps (a
+        // log frame, or a mailbox frame someone will receive).
+        let adding = p.payload.len() as u64;
+        if p.class == RetentionClass::Log || !recipients.is_empty() {
+            let u = usage.get(self, sender)?;
+            if u.stored_bytes.saturating_add(adding) > self.limits.max_stored_bytes {
+                self.counters.quota_refusals.fetch_add(1, Ordering::Relaxed);
+                return Err(HubError::StorageQuotaExceeded {
+                    stored: u.stored_bytes,
+                    adding,
+                    max: self.limits.max_stored_bytes,
+                });
+            }
+            u.stored_bytes += adding;
         }
 
         let expires = now.saturating_add(retention_ms);
@@ -375,7 +496,7 @@ impl HubCore {
                 meta.log_len += 1;
                 if meta.log_len > self.limits.max_log_depth {
                     let excess = meta.log_len - self.limits.max_log_depth;
-                    self.trim_prefix(&p.topic, &mut meta, excess, None, &mut batch)?;
+                    self.trim_prefix(&p.topic, &mut meta, excess, None, &mut batch, &mut usage)?;
                     // The new frame is staged, not stored, so the walk cannot
                     // see it: it is the oldest when every stored one went.
                     meta.oldest.get_or_insert(seq);
@@ -393,8 +514,12 @@ impl HubCore {
             }
         }
         batch.put(meta_key, l::encode(&meta));
+        usage.stage(&mut batch);
         let gen = self.apply(&batch)?;
         self.counters.accepted.fetch_add(1, Ordering::Relaxed);
+        self.counters
+            .deliveries_dropped
+            .fetch_add(dropped_for.len() as u64, Ordering::Relaxed);
         Ok(Durable {
             value: Published {
                 outcome: PublishOutcome::Accepted {
@@ -402,9 +527,25 @@ impl HubCore {
                     head: meta.head,
                 },
                 recipients,
+                dropped_for,
             },
             gen,
         })
+    }
+
+    /// Count and name a refusal of something this device may not do.
+    fn not_authorized(&self) -> HubError {
+        self.counters.not_authorized.fetch_add(1, Ordering::Relaxed);
+        HubError::NotAuthorized
+    }
+
+    /// Refuse `device` access to `topic` when it is another device's
+    /// mailbox.
+    fn check_reader(&self, device: &DeviceId, topic: &TopicId) -> Result<(), HubError> {
+        match topic.mailbox_owner() {
+            Some(owner) if owner != *device => Err(self.not_authorized()),
+            _ => Ok(()),
+        }
     }
 
     /// Remove up to `count` frames from the oldest end of a topic's log, or,
@@ -417,6 +558,7 @@ impl HubCore {
         count: u64,
         expired_at: Option<u64>,
         batch: &mut WriteBatch,
+        usage: &mut UsageStage,
     ) -> Result<u64, HubError> {
         const CHUNK: usize = 256;
         let Some(oldest) = meta.oldest else {
@@ -435,9 +577,8 @@ impl HubCore {
                 let Some((_, seq)) = l::parse_frame_key(k) else {
                     continue;
                 };
-                let expires = l::decode::<StoredFrame>(k, v)
-                    .map_err(internal)?
-                    .expires_at_ms;
+                let frame = l::decode::<StoredFrame>(k, v).map_err(internal)?;
+                let expires = frame.expires_at_ms;
                 let keep = removed >= count || expired_at.is_some_and(|at| expires > at);
                 if keep {
                     new_oldest = Some(seq);
@@ -449,6 +590,7 @@ impl HubCore {
                     break 'walk;
                 }
                 batch.delete(k.clone());
+                usage.release_bytes(self, frame.sender, frame.payload.len())?;
                 meta.removed_through = meta.removed_through.max(seq);
                 meta.log_len = meta.log_len.saturating_sub(1);
                 removed += 1;
@@ -466,20 +608,24 @@ impl HubCore {
         Ok(removed)
     }
 
-    /// Read a topic's log after `after`. Returns only durable frames.
+    /// Read a topic's log after `after`, for `device`. Returns only durable
+    /// frames.
     ///
     /// # Errors
-    /// `BadTopic`, `BadFetchLimit`, or `Internal`.
+    /// `BadTopic`, `NotAuthorized` (another device's mailbox),
+    /// `BadFetchLimit`, or `Internal`.
     ///
     /// # Cancel safety
     /// Cancel safe: it changes nothing.
     pub async fn fetch(
         &self,
+        device: DeviceId,
         topic: &TopicId,
         after: u64,
         limit: u32,
     ) -> Result<FetchResult, HubError> {
         self.check_topic(topic)?;
+        self.check_reader(&device, topic)?;
         if limit == 0 || limit > self.limits.max_fetch {
             return Err(HubError::BadFetchLimit {
                 requested: limit,
@@ -536,8 +682,8 @@ impl HubCore {
     /// subscription).
     ///
     /// # Errors
-    /// `BadTopic`, `RetentionTooLong`, `TooManySubscriptions`, `RateLimited`,
-    /// `Internal`.
+    /// `BadTopic`, `NotAuthorized` (another device's mailbox),
+    /// `RetentionTooLong`, `TooManySubscriptions`, `RateLimited`, `Internal`.
     pub fn subscribe(
         &self,
         device: DeviceId,
@@ -545,6 +691,7 @@ impl HubCore {
         retention_secs: Option<u64>,
     ) -> Result<Durable<()>, HubError> {
         self.check_topic(topic)?;
+        self.check_reader(&device, topic)?;
         let retention_ms = self.retention_ms(retention_secs)?;
         self.rate.check(&device, None)?;
         let _g = self.lock();
@@ -615,7 +762,9 @@ impl HubCore {
     }
 
     /// Up to `limit` durable deliveries of `device` with ids above `after`.
-    /// References to frames that were trimmed or expired are dropped.
+    /// References to frames that were trimmed or expired are dropped. The
+    /// last page also carries an unreported count of deliveries dropped
+    /// for a full queue ([`DeliveryBatch::dropped`]).
     ///
     /// # Errors
     /// `Internal`.
@@ -628,17 +777,24 @@ impl HubCore {
         after: u64,
         limit: usize,
     ) -> Result<DeliveryBatch, HubError> {
-        let (last, gen) = {
+        let (last, usage, gen) = {
             let _g = self.lock();
             let m: DeviceMeta = self.read(&l::device_meta(&device))?.unwrap_or_default();
-            (m.last_delivery, self.commit.current())
+            let u: DeviceUsage = self.read(&l::device_usage(&device))?.unwrap_or_default();
+            (m.last_delivery, u, self.commit.current())
         };
+        let dropped = (usage.dropped > 0).then_some((usage.dropped_after, usage.dropped));
         let mut out = DeliveryBatch {
             deliveries: Vec::new(),
             scanned_through: after,
             more: false,
+            dropped: None,
         };
         if last <= after {
+            if dropped.is_some() {
+                self.durable(gen).await?;
+                out.dropped = dropped;
+            }
             return Ok(out);
         }
         self.durable(gen).await?;
@@ -676,16 +832,52 @@ impl HubCore {
         }
         if !out.more {
             out.scanned_through = last;
+            out.dropped = dropped;
         }
         if !dangling.is_empty() {
             let _g = self.lock();
             let mut batch = WriteBatch::new();
+            let mut usage = UsageStage::new();
             for k in dangling {
-                batch.delete(k);
+                // An ack or a purge since the read may have removed it.
+                if self.store.get(&k).map_err(internal)?.is_some() {
+                    batch.delete(k);
+                    usage.release_delivery(self, device)?;
+                }
             }
+            usage.stage(&mut batch);
             self.apply(&batch)?;
         }
         Ok(out)
+    }
+
+    /// The device was told that `count` of its deliveries were dropped:
+    /// take them off the unreported count (drops since stay on it).
+    ///
+    /// # Errors
+    /// `Internal`.
+    pub fn clear_dropped(&self, device: DeviceId, count: u64) -> Result<(), HubError> {
+        let _g = self.lock();
+        let mut usage = UsageStage::new();
+        let u = usage.get(self, device)?;
+        u.dropped = u.dropped.saturating_sub(count);
+        if u.dropped == 0 {
+            u.dropped_after = 0;
+        }
+        let mut batch = WriteBatch::new();
+        usage.stage(&mut batch);
+        self.apply(&batch)?;
+        Ok(())
+    }
+
+    /// What `device` uses of its per-device quotas now (including changes
+    /// not yet durable).
+    ///
+    /// # Errors
+    /// `Internal`.
+    pub fn usage(&self, device: DeviceId) -> Result<DeviceUsage, HubError> {
+        let _g = self.lock();
+        Ok(self.read(&l::device_usage(&device))?.unwrap_or_default())
     }
 
     /// Forget acknowledged deliveries; unknown ids are ignored. A mailbox
@@ -702,6 +894,7 @@ impl HubCore {
         }
         let _g = self.lock();
         let mut batch = WriteBatch::new();
+        let mut usage = UsageStage::new();
         let mut removed = 0u32;
         let mut frames: HashMap<Vec<u8>, Option<StoredFrame>> = HashMap::new();
         let mut seen = std::collections::HashSet::new();
@@ -715,21 +908,41 @@ impl HubCore {
             };
             batch.delete(dkey);
             removed += 1;
+            usage.release_delivery(self, device)?;
             if r.class == RetentionClass::Mailbox {
                 self.release_mailbox(&l::mailbox_frame(&r.topic, r.seq), &mut frames)?;
             }
         }
-        for (k, f) in frames {
-            match f {
-                Some(f) if f.remaining > 0 => batch.put(k, l::encode(&f)),
-                _ => batch.delete(k),
-            }
-        }
+        self.stage_mailbox_frames(frames, &mut batch, &mut usage)?;
+        usage.stage(&mut batch);
         let gen = self.apply(&batch)?;
         Ok(Durable {
             value: removed,
             gen,
         })
+    }
+
+    /// Write back the mailbox frames an operation touched: a frame some
+    /// recipient still holds is kept, any other is deleted and its bytes
+    /// are released from its sender's usage. A frame already taken out
+    /// (`None`) had its bytes released when it was taken.
+    fn stage_mailbox_frames(
+        &self,
+        frames: HashMap<Vec<u8>, Option<StoredFrame>>,
+        batch: &mut WriteBatch,
+        usage: &mut UsageStage,
+    ) -> Result<(), HubError> {
+        for (k, f) in frames {
+            match f {
+                Some(f) if f.remaining > 0 => batch.put(k, l::encode(&f)),
+                Some(f) => {
+                    usage.release_bytes(self, f.sender, f.payload.len())?;
+                    batch.delete(k);
+                }
+                None => batch.delete(k),
+            }
+        }
+        Ok(())
     }
 
     /// Count one recipient of a mailbox frame as done, staging in `frames`.
@@ -798,40 +1011,61 @@ impl HubCore {
     }
 
     /// Claim one of `device`'s key packages: each pool package goes to exactly
-    /// one claimer; with the pool empty, the reusable last resort.
+    /// one claimer; only with the pool empty, the reusable last resort.
+    ///
+    /// A claim takes a token from the claimer's device bucket, its claimer
+    /// bucket and the target's bucket, or from none of them: a burst of
+    /// claims, by one claimer or by many, stops at a rate limit and never
+    /// empties a pool faster than the target's rate.
     ///
     /// # Errors
-    /// `NoKeyPackage`, `RateLimited`, `Internal`.
+    /// `RateLimited` (`device`, `claimer` or `target`; nothing is handed
+    /// out, not even the last resort), `NoKeyPackage`, `Internal`.
     pub fn claim_key_package(
         &self,
         claimer: DeviceId,
         device: DeviceId,
     ) -> Result<Durable<(Vec<u8>, bool)>, HubError> {
-        self.rate.check(&claimer, None)?;
+        self.rate.check_all(&[
+            RateKey::Device(&claimer),
+            RateKey::Claimer(&claimer),
+            RateKey::Target(&device),
+        ])?;
         let _g = self.lock();
         let mkey = l::key_package_meta(&device);
         let mut meta: KeyPackageMeta = self.read(&mkey)?.unwrap_or_default();
+        let mut gen = self.commit.current();
         if meta.pool > 0 {
             let rows = self
                 .store
                 .scan_prefix(&l::key_package_prefix(&device), 1)
                 .map_err(internal)?;
-            if let Some((k, v)) = rows.into_iter().next() {
-                meta.pool -= 1;
-                let mut batch = WriteBatch::new();
-                batch.delete(k);
-                batch.put(mkey, l::encode(&meta));
-                let gen = self.apply(&batch)?;
-                return Ok(Durable {
-                    value: (v, false),
-                    gen,
-                });
+            let mut batch = WriteBatch::new();
+            match rows.into_iter().next() {
+                Some((k, v)) => {
+                    meta.pool -= 1;
+                    batch.delete(k);
+                    batch.put(mkey, l::encode(&meta));
+                    let gen = self.apply(&batch)?;
+                    return Ok(Durable {
+                        value: (v, false),
+                        gen,
+                    });
+                }
+                None => {
+                    // The stored packages are the truth: a count with none
+                    // behind it is repaired, and only then is the pool empty.
+                    tracing::error!(%device, pool = meta.pool, "key package count without packages; repaired");
+                    meta.pool = 0;
+                    batch.put(mkey, l::encode(&meta));
+                    gen = self.apply(&batch)?;
+                }
             }
         }
         match meta.last_resort {
             Some(kp) => Ok(Durable {
                 value: (kp, true),
-                gen: self.commit.current(),
+                gen,
             }),
             None => Err(HubError::NoKeyPackage),
         }
@@ -873,6 +1107,7 @@ impl HubCore {
                 break;
             }
             let mut batch = WriteBatch::new();
+            let mut usage = UsageStage::new();
             let mut frames: HashMap<Vec<u8>, Option<StoredFrame>> = HashMap::new();
             let mut metas: HashMap<TopicId, TopicMeta> = HashMap::new();
             let mut deleted = std::collections::HashSet::new();
@@ -897,6 +1132,9 @@ impl HubCore {
                         if let Some(r) = self.read::<DeliveryRef>(target)? {
                             batch.delete(target.to_vec());
                             report.deliveries += 1;
+                            if let Some((device, _)) = l::parse_delivery(target) {
+                                usage.release_delivery(self, device)?;
+                            }
                             if r.class == RetentionClass::Mailbox {
                                 self.release_mailbox(
                                     &l::mailbox_frame(&r.topic, r.seq),
@@ -911,7 +1149,8 @@ impl HubCore {
                             frames.insert(target.to_vec(), f);
                         }
                         if let Some(slot) = frames.get_mut(target) {
-                            if slot.take().is_some() {
+                            if let Some(f) = slot.take() {
+                                usage.release_bytes(self, f.sender, f.payload.len())?;
                                 report.mailbox_frames += 1;
                             }
                         }
@@ -925,22 +1164,24 @@ impl HubCore {
                         }
                         let mut meta: TopicMeta =
                             self.read(&l::topic_meta(&topic))?.unwrap_or_default();
-                        let n =
-                            self.trim_prefix(&topic, &mut meta, u64::MAX, Some(now), &mut batch)?;
+                        let n = self.trim_prefix(
+                            &topic,
+                            &mut meta,
+                            u64::MAX,
+                            Some(now),
+                            &mut batch,
+                            &mut usage,
+                        )?;
                         report.log_frames += n;
                         metas.insert(topic, meta);
                     }
                 }
             }
-            for (k, f) in frames {
-                match f {
-                    Some(f) if f.remaining > 0 => batch.put(k, l::encode(&f)),
-                    _ => batch.delete(k),
-                }
-            }
+            self.stage_mailbox_frames(frames, &mut batch, &mut usage)?;
             for (topic, meta) in metas {
                 batch.put(l::topic_meta(&topic), l::encode(&meta));
             }
+            usage.stage(&mut batch);
             gen = self.apply(&batch)?;
             if rows.len() < 512 {
                 break;

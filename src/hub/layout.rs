@@ -21,6 +21,7 @@ const KEY_PACKAGE_META: u8 = b'K';
 const KEY_PACKAGE: u8 = b'k';
 const EXPIRY: u8 = b'E';
 const STORE_ID: u8 = b'I';
+const DEVICE_USAGE: u8 = b'U';
 
 /// The kind of record an expiry-index entry points at.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -114,6 +115,28 @@ pub(crate) fn device_subscription(device: &DeviceId, topic: &TopicId) -> Vec<u8>
 
 pub(crate) fn device_meta(device: &DeviceId) -> Vec<u8> {
     let mut k = key(DEVICE_META);
+    k.extend_from_slice(&device.0);
+    k
+}
+
+/// A device's quota usage ([`DeviceUsage`]). A record of its own rather than
+/// more fields of [`DeviceMeta`], so that stores written before quotas
+/// existed still decode: a missing record reads as zero usage.
+pub(crate) fn device_usage(device: &DeviceId) -> Vec<u8> {
+    let mut k = key(DEVICE_USAGE);
+    k.extend_from_slice(&device.0);
+    k
+}
+
+/// The key prefixes of every log frame and every mailbox frame.
+#[cfg(test)]
+pub(crate) fn frame_prefixes() -> [Vec<u8>; 2] {
+    [key(LOG_FRAME), key(MAILBOX_FRAME)]
+}
+
+#[cfg(test)]
+pub(crate) fn delivery_prefix(device: &DeviceId) -> Vec<u8> {
+    let mut k = key(DELIVERY);
     k.extend_from_slice(&device.0);
     k
 }
@@ -240,6 +263,27 @@ pub(crate) struct DeviceMeta {
     /// The last delivery id assigned (0: none yet).
     pub last_delivery: u64,
     pub subscriptions: u32,
+}
+
+/// What one device uses of its per-device quotas, kept in the same atomic
+/// batch as the change that moves it.
+///
+/// A store written before quotas existed holds frames and deliveries that
+/// no usage record counts; releasing them saturates at zero, so usage there
+/// is an undercount until those old records are gone.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceUsage {
+    /// Deliveries queued for this device and not yet acked, expired or
+    /// dropped (`Limits::max_queued_deliveries`).
+    pub queued: u64,
+    /// Payload bytes of the log and mailbox frames this device published
+    /// that the hub still holds (`Limits::max_stored_bytes`).
+    pub stored_bytes: u64,
+    /// Deliveries dropped because the queue was full, not yet reported to
+    /// the device on a receive stream.
+    pub dropped: u64,
+    /// The device's last delivery id when the first of those was dropped.
+    pub dropped_after: u64,
 }
 
 /// A delivery waiting in a device's queue: a reference to the frame.

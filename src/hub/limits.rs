@@ -44,6 +44,27 @@ pub struct Limits {
     pub max_key_packages: u32,
     /// Largest key package (`BadKeyPackage`).
     pub max_key_package_bytes: usize,
+    /// Posts to one device's mailbox by one sender, per (sender, mailbox)
+    /// pair (`RateLimited { scope: "mailbox" }`), on top of the device and
+    /// topic buckets.
+    pub mailbox_rate: Rate,
+    /// Key-package claims by one claimer, whatever the target
+    /// (`RateLimited { scope: "claimer" }`), on top of its device bucket.
+    pub claimer_rate: Rate,
+    /// Key-package claims of one target's packages, by all claimers
+    /// together (`RateLimited { scope: "target" }`), so nobody drains a
+    /// pool in one burst.
+    pub target_rate: Rate,
+    /// Deliveries queued (not yet acked) per device. When a device's queue
+    /// is full, new deliveries to it are dropped (never queued), counted in
+    /// `HubMetrics::deliveries_dropped`, and reported to the device on its
+    /// receive stream (`DeliveriesDropped`); publishers are never refused
+    /// or slowed for it.
+    pub max_queued_deliveries: u64,
+    /// Payload bytes one device may have stored on the hub: the log and
+    /// mailbox frames it published that are still held
+    /// (`StorageQuotaExceeded`).
+    pub max_stored_bytes: u64,
 }
 
 impl Default for Limits {
@@ -67,13 +88,29 @@ impl Default for Limits {
             max_acks: 1000,
             max_key_packages: 100,
             max_key_package_bytes: 16 * 1024,
+            mailbox_rate: Rate {
+                per_sec: 1.0,
+                burst: 20.0,
+            },
+            claimer_rate: Rate {
+                per_sec: 1.0,
+                burst: 30.0,
+            },
+            target_rate: Rate {
+                per_sec: 10.0 / 60.0,
+                burst: 10.0,
+            },
+            max_queued_deliveries: 10_000,
+            max_stored_bytes: 1 << 30,
         }
     }
 }
 
 impl Limits {
-    /// Limits with rates high enough never to trigger: for tests and
-    /// benchmarks that measure something else.
+    /// Limits with rates and per-device quotas high enough never to
+    /// trigger: for tests and benchmarks that measure something else, and
+    /// for a device's own loopback hub. Sizes, depths and retention stay
+    /// the defaults.
     pub fn unthrottled() -> Self {
         let fast = Rate {
             per_sec: 1e9,
@@ -82,6 +119,11 @@ impl Limits {
         Self {
             device_rate: fast,
             topic_rate: fast,
+            mailbox_rate: fast,
+            claimer_rate: fast,
+            target_rate: fast,
+            max_queued_deliveries: u64::MAX,
+            max_stored_bytes: u64::MAX,
             ..Self::default()
         }
     }
@@ -109,7 +151,16 @@ impl Limits {
         if self.max_log_depth == 0 || self.max_fetch == 0 || self.max_acks == 0 {
             return Err("log depth, fetch limit and ack limit must be at least 1".into());
         }
-        for (name, r) in [("device", self.device_rate), ("topic", self.topic_rate)] {
+        if self.max_queued_deliveries == 0 || self.max_stored_bytes == 0 {
+            return Err("queued deliveries and stored bytes per device must be at least 1".into());
+        }
+        for (name, r) in [
+            ("device", self.device_rate),
+            ("topic", self.topic_rate),
+            ("mailbox", self.mailbox_rate),
+            ("claimer", self.claimer_rate),
+            ("target", self.target_rate),
+        ] {
             if r.per_sec.is_nan() || r.per_sec <= 0.0 || r.burst.is_nan() || r.burst < 1.0 {
                 return Err(format!("{name} rate needs per_sec > 0 and burst >= 1"));
             }
@@ -175,53 +226,115 @@ impl<K: Hash + Eq + Clone> Buckets<K> {
     }
 }
 
-/// Token buckets per device and per topic, on tokio's clock.
+/// One bucket a request takes a token from.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum RateKey<'a> {
+    /// Everything one device does (`device`).
+    Device(&'a DeviceId),
+    /// Publishes to one topic, by anyone (`topic`).
+    Topic(&'a TopicId),
+    /// Posts by `sender` to the mailbox of `owner` (`mailbox`).
+    Mailbox {
+        /// Who posts.
+        sender: &'a DeviceId,
+        /// Whose mailbox.
+        owner: &'a DeviceId,
+    },
+    /// Key-package claims by one claimer (`claimer`).
+    Claimer(&'a DeviceId),
+    /// Key-package claims of one target's packages (`target`).
+    Target(&'a DeviceId),
+}
+
+struct AllBuckets {
+    devices: Buckets<DeviceId>,
+    topics: Buckets<TopicId>,
+    mailboxes: Buckets<(DeviceId, DeviceId)>,
+    claimers: Buckets<DeviceId>,
+    targets: Buckets<DeviceId>,
+}
+
+impl AllBuckets {
+    /// Milliseconds until `key`'s bucket has a token, and its scope name.
+    fn wait_ms(&mut self, key: RateKey<'_>, now: Instant) -> (u64, &'static str) {
+        match key {
+            RateKey::Device(d) => (self.devices.wait_ms(d, now), "device"),
+            RateKey::Topic(t) => (self.topics.wait_ms(t, now), "topic"),
+            RateKey::Mailbox { sender, owner } => {
+                (self.mailboxes.wait_ms(&(*sender, *owner), now), "mailbox")
+            }
+            RateKey::Claimer(d) => (self.claimers.wait_ms(d, now), "claimer"),
+            RateKey::Target(d) => (self.targets.wait_ms(d, now), "target"),
+        }
+    }
+
+    fn take(&mut self, key: RateKey<'_>) {
+        match key {
+            RateKey::Device(d) => self.devices.take(d),
+            RateKey::Topic(t) => self.topics.take(t),
+            RateKey::Mailbox { sender, owner } => self.mailboxes.take(&(*sender, *owner)),
+            RateKey::Claimer(d) => self.claimers.take(d),
+            RateKey::Target(d) => self.targets.take(d),
+        }
+    }
+}
+
+/// Token buckets per device, topic, (sender, mailbox), claimer and claim
+/// target, on tokio's clock.
 pub(crate) struct RateLimiter {
-    inner: Mutex<(Buckets<DeviceId>, Buckets<TopicId>)>,
+    inner: Mutex<AllBuckets>,
 }
 
 impl RateLimiter {
     pub(crate) fn new(limits: &Limits) -> Self {
         Self {
-            inner: Mutex::new((
-                Buckets::new(limits.device_rate),
-                Buckets::new(limits.topic_rate),
-            )),
+            inner: Mutex::new(AllBuckets {
+                devices: Buckets::new(limits.device_rate),
+                topics: Buckets::new(limits.topic_rate),
+                mailboxes: Buckets::new(limits.mailbox_rate),
+                claimers: Buckets::new(limits.claimer_rate),
+                targets: Buckets::new(limits.target_rate),
+            }),
         }
+    }
+
+    /// Take one token from each of `keys`' buckets, or, when any of them is
+    /// empty, take none and name the first empty one (in the order given).
+    pub(crate) fn check_all(&self, keys: &[RateKey<'_>]) -> Result<(), HubError> {
+        let now = Instant::now();
+        let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        for key in keys {
+            let (wait, scope) = g.wait_ms(*key, now);
+            if wait > 0 {
+                return Err(HubError::RateLimited {
+                    scope: scope.into(),
+                    retry_after_ms: wait,
+                });
+            }
+        }
+        for key in keys {
+            g.take(*key);
+        }
+        Ok(())
     }
 
     /// Take one token from the device's bucket and, when given, the topic's.
     /// Takes nothing when either is empty.
     pub(crate) fn check(&self, device: &DeviceId, topic: Option<&TopicId>) -> Result<(), HubError> {
-        let now = Instant::now();
-        let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-        let (devices, topics) = &mut *g;
-        let dw = devices.wait_ms(device, now);
-        if dw > 0 {
-            return Err(HubError::RateLimited {
-                scope: "device".into(),
-                retry_after_ms: dw,
-            });
+        match topic {
+            Some(t) => self.check_all(&[RateKey::Device(device), RateKey::Topic(t)]),
+            None => self.check_all(&[RateKey::Device(device)]),
         }
-        if let Some(t) = topic {
-            let tw = topics.wait_ms(t, now);
-            if tw > 0 {
-                return Err(HubError::RateLimited {
-                    scope: "topic".into(),
-                    retry_after_ms: tw,
-                });
-            }
-            topics.take(t);
-        }
-        devices.take(device);
-        Ok(())
     }
 
     pub(crate) fn prune(&self) {
         let now = Instant::now();
         let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-        g.0.prune(now);
-        g.1.prune(now);
+        g.devices.prune(now);
+        g.topics.prune(now);
+        g.mailboxes.prune(now);
+        g.claimers.prune(now);
+        g.targets.prune(now);
     }
 }
 
@@ -251,6 +364,55 @@ mod tests {
         rl.check(&d, None).unwrap();
         // Another device has its own bucket.
         rl.check(&DeviceId([2; 32]), None).unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_refused_key_takes_no_token_from_the_others() {
+        let limits = Limits {
+            target_rate: Rate {
+                per_sec: 1.0,
+                burst: 1.0,
+            },
+            claimer_rate: Rate {
+                per_sec: 1.0,
+                burst: 2.0,
+            },
+            ..Limits::default()
+        };
+        let rl = RateLimiter::new(&limits);
+        let (a, b, t) = (DeviceId([1; 32]), DeviceId([2; 32]), DeviceId([9; 32]));
+        rl.check_all(&[RateKey::Claimer(&a), RateKey::Target(&t)])
+            .unwrap();
+        assert!(matches!(
+            rl.check_all(&[RateKey::Claimer(&a), RateKey::Target(&t)]),
+            Err(HubError::RateLimited { ref scope, .. }) if scope == "target"
+        ));
+        // The refused claim took no claimer token: one is left for another target.
+        rl.check_all(&[RateKey::Claimer(&a), RateKey::Target(&b)])
+            .unwrap();
+        assert!(matches!(
+            rl.check_all(&[RateKey::Claimer(&a)]),
+            Err(HubError::RateLimited { ref scope, .. }) if scope == "claimer"
+        ));
+        // A mailbox bucket is per (sender, owner).
+        let mb = Limits {
+            mailbox_rate: Rate {
+                per_sec: 1.0,
+                burst: 1.0,
+            },
+            ..Limits::default()
+        };
+        let rl = RateLimiter::new(&mb);
+        let key = |s| RateKey::Mailbox {
+            sender: s,
+            owner: &t,
+        };
+        rl.check_all(&[key(&a)]).unwrap();
+        assert!(matches!(
+            rl.check_all(&[key(&a)]),
+            Err(HubError::RateLimited { ref scope, .. }) if scope == "mailbox"
+        ));
+        rl.check_all(&[key(&b)]).unwrap();
     }
 
     #[tokio::test(start_paused = true)]

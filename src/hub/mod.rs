@@ -12,8 +12,11 @@ mod server;
 
 #[cfg(test)]
 mod model_tests;
+#[cfg(test)]
+mod quota_tests;
 
 pub use self::core::{DeliveryBatch, Durable, HubCore, Published, PurgeReport};
+pub use self::layout::DeviceUsage;
 pub use self::limits::{Limits, Rate};
 /// The hub's storage trait: the crate's one key-value trait, so the
 /// simulation's crash-semantics store and sled serve the hub alike.
@@ -42,6 +45,15 @@ pub struct HubConfig {
     pub limits: Limits,
     /// How long a challenge stays valid.
     pub challenge_ttl: Duration,
+    /// How long a connection has, from the moment it is accepted, to finish
+    /// the WebSocket handshake and authenticate; then it is closed (1008
+    /// `authentication timed out`, or with no reason when the WebSocket
+    /// handshake never finished).
+    pub auth_deadline: Duration,
+    /// Connections that have not authenticated yet, at most, at once. One
+    /// more is closed at once (1013 `too many unauthenticated
+    /// connections`) without a challenge.
+    pub max_unauthenticated: usize,
     /// How often retention is enforced.
     pub purge_interval: Duration,
     /// Requests one connection may have waiting for durability at once;
@@ -55,7 +67,9 @@ impl HubConfig {
         Self {
             url: url.into().trim_end_matches('/').to_string(),
             limits: Limits::default(),
-            challenge_ttl: Duration::from_secs(30),
+            challenge_ttl: Duration::from_secs(10),
+            auth_deadline: Duration::from_secs(20),
+            max_unauthenticated: 256,
             purge_interval: Duration::from_secs(60),
             max_in_flight: 256,
         }
@@ -105,6 +119,21 @@ pub struct HubMetrics {
     pub flushes: u64,
     /// Log frames trimmed.
     pub trimmed: u64,
+    /// Connections open now that have not authenticated yet.
+    pub unauthenticated: u64,
+    /// Connections closed at once because `max_unauthenticated` others
+    /// were still unauthenticated.
+    pub unauthenticated_refused: u64,
+    /// Connections closed because they had not authenticated by the
+    /// `auth_deadline`.
+    pub auth_timeouts: u64,
+    /// Deliveries dropped because the recipient's queue was full.
+    pub deliveries_dropped: u64,
+    /// Publishes refused because the publisher's stored bytes would exceed
+    /// its quota.
+    pub quota_refusals: u64,
+    /// Requests refused as `NotAuthorized`.
+    pub not_authorized: u64,
 }
 
 #[derive(Default)]
@@ -114,6 +143,9 @@ struct ServerCounters {
     auth_failures: AtomicU64,
     bad_frames: AtomicU64,
     pushed: AtomicU64,
+    unauthenticated: AtomicU64,
+    unauthenticated_refused: AtomicU64,
+    auth_timeouts: AtomicU64,
 }
 
 /// The receive stream a device has open.
@@ -176,6 +208,11 @@ impl Hub {
         rng: SharedRng,
     ) -> Result<Hub, HubStartError> {
         config.limits.validate().map_err(HubStartError::Limits)?;
+        if config.max_unauthenticated == 0 || config.auth_deadline.is_zero() {
+            return Err(HubStartError::Limits(
+                "max_unauthenticated and auth_deadline must be above 0".into(),
+            ));
+        }
         let scheme_ok = ["ws://", "wss://", crate::transport::LOOPBACK_SCHEME]
             .iter()
             .any(|s| config.url.starts_with(s));
@@ -291,6 +328,12 @@ impl Hub {
             deliveries_pushed: r(&s.pushed),
             flushes: self.shared.core.group_commit().flush_count(),
             trimmed: r(&c.trimmed),
+            unauthenticated: r(&s.unauthenticated),
+            unauthenticated_refused: r(&s.unauthenticated_refused),
+            auth_timeouts: r(&s.auth_timeouts),
+            deliveries_dropped: r(&c.deliveries_dropped),
+            quota_refusals: r(&c.quota_refusals),
+            not_authorized: r(&c.not_authorized),
         }
     }
 

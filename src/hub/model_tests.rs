@@ -1,5 +1,6 @@
 //! The hub's log checked against a plain model: publish (with idempotency,
-//! compare-and-set and depth trims), retention purges, fetches, flushes and
+//! compare-and-set, depth trims, the publisher's stored-bytes quota and
+//! another device's mailbox), retention purges, fetches, flushes and
 //! crashes, in random orders.
 
 use super::core::HubCore;
@@ -16,6 +17,20 @@ use std::sync::Arc;
 use std::time::Duration;
 
 const DEPTH: u64 = 6;
+/// The publisher's stored-bytes quota: about ten of the model's frames, so
+/// the three log topics (18 frames deep in all) run into it.
+const QUOTA: u64 = 20;
+/// Topic index 3 is the mailbox of another device.
+const MAILBOX: u8 = 3;
+const OWNER: DeviceId = DeviceId([2; 32]);
+
+fn topic_id(topic: u8) -> TopicId {
+    if topic == MAILBOX {
+        TopicId::mailbox(&OWNER)
+    } else {
+        TopicId(vec![b't', topic])
+    }
+}
 
 /// (frames as (seq, payload), head, oldest, gap)
 type FetchView = (Vec<(u64, Vec<u8>)>, Option<u64>, Option<u64>, bool);
@@ -45,13 +60,13 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        6 => (0u8..3, 0u8..16, 0u8..3, 0u8..4, 0u64..20, prop::bool::weighted(0.1), prop::bool::weighted(0.15), prop::option::of(1u64..4))
+        6 => (0u8..4, 0u8..16, 0u8..3, 0u8..4, 0u64..20, prop::bool::weighted(0.1), prop::bool::weighted(0.15), prop::option::of(1u64..4))
             .prop_map(|(topic, pid, payload, cond, cond_seq, replay, mailbox, retention)| Op::Publish {
                 topic, pid, payload, cond, cond_seq, replay, mailbox, retention
             }),
         1 => (0u64..3).prop_map(Op::Advance),
         1 => Just(Op::Purge),
-        2 => (0u8..3, 0u64..20, 1u32..8).prop_map(|(topic, after, limit)| Op::Fetch { topic, after, limit }),
+        2 => (0u8..4, 0u64..20, 1u32..8).prop_map(|(topic, after, limit)| Op::Fetch { topic, after, limit }),
         1 => Just(Op::Flush),
         1 => Just(Op::Crash),
     ]
@@ -83,6 +98,9 @@ impl Model {
         mailbox: bool,
         expires: u64,
     ) -> Result<PublishOutcome, HubError> {
+        if topic == MAILBOX && !mailbox {
+            return Err(HubError::NotAuthorized);
+        }
         if let Some((seq, mb, p)) = self.records.get(&(topic, pid)) {
             if *mb == mailbox && *p == payload {
                 return Ok(PublishOutcome::Duplicate { seq: *seq });
@@ -101,6 +119,18 @@ impl Model {
         if !ok {
             return Ok(PublishOutcome::HeadMismatch { current: t.head });
         }
+        // Only a log frame is kept (nobody subscribes here), and the quota
+        // is checked before this publish's own depth trim.
+        let stored = self.stored_bytes();
+        let adding = payload.len() as u64;
+        if !mailbox && stored + adding > QUOTA {
+            return Err(HubError::StorageQuotaExceeded {
+                stored,
+                adding,
+                max: QUOTA,
+            });
+        }
+        let t = self.topics.entry(topic).or_default();
         t.last_seq += 1;
         let seq = t.last_seq;
         self.records
@@ -129,7 +159,19 @@ impl Model {
         }
     }
 
-    fn fetch(&self, topic: u8, after: u64, limit: u32) -> FetchView {
+    /// Payload bytes of the log frames held: the publisher's stored bytes.
+    fn stored_bytes(&self) -> u64 {
+        self.topics
+            .values()
+            .flat_map(|t| t.frames.values())
+            .map(|(p, _)| p.len() as u64)
+            .sum()
+    }
+
+    fn fetch(&self, topic: u8, after: u64, limit: u32) -> Result<FetchView, HubError> {
+        if topic == MAILBOX {
+            return Err(HubError::NotAuthorized);
+        }
         let t = self.topics.get(&topic).cloned().unwrap_or_default();
         let msgs = t
             .frames
@@ -137,12 +179,12 @@ impl Model {
             .take(limit as usize)
             .map(|(s, (p, _))| (*s, p.clone()))
             .collect();
-        (
+        Ok((
             msgs,
             t.head,
             t.frames.keys().next().copied(),
             t.removed_through > after,
-        )
+        ))
     }
 }
 
@@ -161,6 +203,7 @@ fn view(f: &FetchResult) -> FetchView {
 fn new_core(kv: &MemKv, origin: u64) -> (Arc<HubCore>, tokio::task::JoinHandle<()>) {
     let limits = Limits {
         max_log_depth: DEPTH,
+        max_stored_bytes: QUOTA,
         ..Limits::unthrottled()
     };
     let rng = crate::rng::SharedRng::seeded(origin);
@@ -186,6 +229,7 @@ fn run(ops: Vec<Op>) {
         let mut durable = model.clone();
         let sender = DeviceId([1; 32]);
         for op in ops {
+            let op_name = format!("{op:?}");
             match op {
                 Op::Publish {
                     topic,
@@ -208,7 +252,8 @@ fn run(ops: Vec<Op>) {
                             _ => ExpectedHead::Seq(cond_seq),
                         }
                     };
-                    let payload = vec![payload; 3];
+                    // 1 to 3 bytes, so the quota sees different sizes.
+                    let payload = vec![payload; payload as usize + 1];
                     let now = core.now_ms();
                     let ret_ms = retention.map(|s| s * 1000).unwrap_or(7 * 24 * 3600 * 1000);
                     let want = model.publish(
@@ -224,7 +269,7 @@ fn run(ops: Vec<Op>) {
                         .publish(
                             sender,
                             Publish {
-                                topic: TopicId(vec![b't', topic]),
+                                topic: topic_id(topic),
                                 publish_id: PublishId([pid; 32]),
                                 class: if mailbox {
                                     RetentionClass::Mailbox
@@ -254,17 +299,17 @@ fn run(ops: Vec<Op>) {
                     after,
                     limit,
                 } => {
-                    let got = core
-                        .fetch(&TopicId(vec![b't', topic]), after, limit)
-                        .await
-                        .unwrap();
+                    let got = core.fetch(sender, &topic_id(topic), after, limit).await;
                     assert_eq!(
-                        view(&got),
+                        got.as_ref().map(view).map_err(Clone::clone),
                         model.fetch(topic, after, limit),
                         "fetch t{topic} after {after}"
                     );
-                    // A read waits until everything applied before it is durable.
-                    durable = model.clone();
+                    // A read waits until everything applied before it is
+                    // durable; a refused one reads nothing and waits for nothing.
+                    if got.is_ok() {
+                        durable = model.clone();
+                    }
                 }
                 Op::Flush => {
                     core.group_commit().flush_now(core.store()).await;
@@ -281,6 +326,12 @@ fn run(ops: Vec<Op>) {
                     model = durable.clone();
                 }
             }
+            // The usage record moves in the same batches as the frames.
+            assert_eq!(
+                core.usage(sender).unwrap().stored_bytes,
+                model.stored_bytes(),
+                "stored bytes after {op_name}"
+            );
         }
         // Fetch resolved every read durably, so the store holds no batch the
         // model does not know about.
@@ -350,5 +401,97 @@ fn regression_expired_frame_behind_a_depth_trim_is_purged() {
         after: 0,
         limit: 7,
     });
+    run(ops);
+}
+
+/// Shrunk from a model failure: a fetch refused as `NotAuthorized` (another
+/// device's mailbox) reads nothing, so it makes nothing durable, and a crash
+/// after it takes back the publish before it.
+#[test]
+fn regression_a_refused_fetch_makes_nothing_durable() {
+    run(vec![
+        publish(0, None),
+        Op::Fetch {
+            topic: MAILBOX,
+            after: 0,
+            limit: 1,
+        },
+        Op::Crash,
+    ]);
+}
+
+fn sized(topic: u8, pid: u8, retention: Option<u64>) -> Op {
+    Op::Publish {
+        topic,
+        pid,
+        payload: 2, // 3 bytes
+        cond: 0,
+        cond_seq: 0,
+        replay: false,
+        mailbox: false,
+        retention,
+    }
+}
+
+/// The publisher reaches its stored-bytes quota (6 frames of 3 bytes under
+/// 20), is refused on a topic whose log is not even deep, and has room again
+/// once a purge removes its expired frames; posts into another device's
+/// mailbox store nothing and a log publish there is refused.
+#[test]
+fn quota_refuses_until_frames_go_and_a_mailbox_takes_no_log() {
+    let mut ops: Vec<Op> = (0..6).map(|i| sized(i % 2, i, Some(1))).collect();
+    ops.push(sized(2, 6, None)); // 21 > 20: refused
+    ops.push(Op::Advance(1));
+    ops.push(Op::Purge);
+    ops.push(sized(2, 6, None)); // accepted now
+    ops.push(sized(MAILBOX, 7, None)); // a log on a mailbox: refused
+    let mut post = sized(MAILBOX, 8, None);
+    if let Op::Publish { mailbox, .. } = &mut post {
+        *mailbox = true;
+    }
+    ops.push(post);
+    ops.push(Op::Flush);
+    ops.push(Op::Crash);
+    let mut model = Model::default();
+    let mut refusals = Vec::new();
+    for op in &ops {
+        if let Op::Publish {
+            topic,
+            pid,
+            payload,
+            mailbox,
+            retention,
+            ..
+        } = op
+        {
+            if let Err(e) = model.publish(
+                *topic,
+                *pid,
+                vec![*payload; *payload as usize + 1],
+                ExpectedHead::Unconditional,
+                false,
+                *mailbox,
+                if retention.is_some() { 1 } else { u64::MAX },
+            ) {
+                refusals.push(e);
+            }
+        }
+        if let Op::Purge = op {
+            model.purge(1);
+        }
+    }
+    // The scenario does what its name says (the model agrees with the hub
+    // in `run`, which checks every answer).
+    assert_eq!(
+        refusals,
+        vec![
+            HubError::StorageQuotaExceeded {
+                stored: 18,
+                adding: 3,
+                max: QUOTA
+            },
+            HubError::NotAuthorized
+        ]
+    );
     run(ops);
 }

@@ -1,5 +1,11 @@
-//! One WebSocket connection: challenge, authentication, requests, and the
-//! device's receive stream.
+//! One WebSocket connection: admission, challenge, authentication,
+//! requests, and the device's receive stream.
+//!
+//! Admission: at most `max_unauthenticated` connections may be between
+//! accept and `AuthOk` at once; one more is closed at once with 1013 and a
+//! reason, without a challenge. Each admitted connection has until
+//! `auth_deadline` after its accept to finish the WebSocket handshake and
+//! authenticate, or it is closed (1008 `authentication timed out`).
 //!
 //! Each request's store change is made in frame order on the reading task;
 //! only the wait for durability and the answer run on their own task, so a
@@ -28,6 +34,43 @@ use tokio_util::sync::CancellationToken;
 const PUMP_PAGE: usize = 256;
 /// Frames queued for one connection's socket before writers wait.
 const OUTBOX_FRAMES: usize = 256;
+/// How long a refused connection may take to receive its close reason
+/// (at most the auth deadline): refused connections hold no slot, so this
+/// bounds what they cost.
+const REFUSE_WITHIN: Duration = Duration::from_secs(2);
+/// The close reason of a connection refused for the unauthenticated cap.
+const TOO_MANY_UNAUTHENTICATED: &str = "too many unauthenticated connections";
+/// The close reason at the auth deadline.
+const AUTH_TIMED_OUT: &str = "authentication timed out";
+
+/// One of the `max_unauthenticated` places of a connection that has not
+/// authenticated yet; given back when dropped.
+struct UnauthSlot<'a> {
+    shared: &'a HubShared,
+}
+
+impl<'a> UnauthSlot<'a> {
+    fn take(shared: &'a HubShared) -> Option<Self> {
+        let max = shared.config.max_unauthenticated as u64;
+        shared
+            .counters
+            .unauthenticated
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < max).then_some(n + 1)
+            })
+            .ok()?;
+        Some(UnauthSlot { shared })
+    }
+}
+
+impl Drop for UnauthSlot<'_> {
+    fn drop(&mut self) {
+        self.shared
+            .counters
+            .unauthenticated
+            .fetch_sub(1, Ordering::AcqRel);
+    }
+}
 
 fn binary(frame: &ServerFrame) -> Message {
     Message::Binary(frame.encode().into())
@@ -49,9 +92,15 @@ pub(crate) async fn connection(shared: Arc<HubShared>, conn: u64, stream: BoxStr
     shared.counters.connections.fetch_add(1, Ordering::Relaxed);
     shared.counters.open.fetch_add(1, Ordering::Relaxed);
     use tracing::Instrument;
-    serve_connection(&shared, conn, stream)
-        .instrument(tracing::debug_span!("conn", conn, %peer))
-        .await;
+    let span = tracing::debug_span!("conn", conn, %peer);
+    match UnauthSlot::take(&shared) {
+        Some(slot) => {
+            serve_connection(&shared, conn, stream, slot)
+                .instrument(span)
+                .await
+        }
+        None => refuse_connection(&shared, stream).instrument(span).await,
+    }
     shared.counters.open.fetch_sub(1, Ordering::Relaxed);
     // This connection's receive stream ends with it, unless a newer one
     // already replaced it.
@@ -66,20 +115,58 @@ pub(crate) async fn connection(shared: Arc<HubShared>, conn: u64, stream: BoxStr
     });
 }
 
-async fn serve_connection(shared: &Arc<HubShared>, conn: u64, stream: BoxStream) {
+/// Close a connection over the unauthenticated cap at once: a WebSocket
+/// close with a reason when its handshake comes quickly, else just the TCP
+/// connection. No challenge is drawn and no state is touched.
+async fn refuse_connection(shared: &Arc<HubShared>, stream: BoxStream) {
+    shared
+        .counters
+        .unauthenticated_refused
+        .fetch_add(1, Ordering::Relaxed);
+    tracing::debug!("refused: {TOO_MANY_UNAUTHENTICATED}");
+    let within = REFUSE_WITHIN.min(shared.config.auth_deadline);
+    let _ = tokio::time::timeout(within, async {
+        let config = ws_config(shared.config.limits.max_frame());
+        if let Ok(mut ws) = tokio_tungstenite::accept_async_with_config(stream, Some(config)).await
+        {
+            let _ = ws
+                .send(close(CloseCode::Again, TOO_MANY_UNAUTHENTICATED))
+                .await;
+            // Let the peer answer the close, so it reads the reason rather
+            // than a reset.
+            while let Some(Ok(_)) = ws.next().await {}
+        }
+    })
+    .await;
+}
+
+async fn serve_connection(
+    shared: &Arc<HubShared>,
+    conn: u64,
+    stream: BoxStream,
+    slot: UnauthSlot<'_>,
+) {
     let max_frame = shared.config.limits.max_frame();
-    let ws = match tokio::time::timeout(
-        shared.config.challenge_ttl,
-        tokio_tungstenite::accept_async_with_config(stream, Some(ws_config(max_frame))),
-    )
-    .await
-    {
+    let deadline = tokio::time::Instant::now() + shared.config.auth_deadline;
+    let ws = tokio::select! {
+        _ = shared.shutdown.cancelled() => return,
+        r = tokio::time::timeout_at(
+            deadline,
+            tokio_tungstenite::accept_async_with_config(stream, Some(ws_config(max_frame))),
+        ) => r,
+    };
+    let ws = match ws {
         Ok(Ok(ws)) => ws,
         Ok(Err(e)) => {
             tracing::debug!(conn, error = %e, "websocket handshake failed");
             return;
         }
         Err(_) => {
+            // Too late for a close reason: there is no WebSocket yet.
+            shared
+                .counters
+                .auth_timeouts
+                .fetch_add(1, Ordering::Relaxed);
             tracing::debug!(conn, "websocket handshake timed out");
             return;
         }
@@ -110,11 +197,12 @@ async fn serve_connection(shared: &Arc<HubShared>, conn: u64, stream: BoxStream)
         let _ = sink.close().await;
     });
 
-    let Some(device) = authenticate(shared, &mut source, &tx).await else {
+    let Some(device) = authenticate(shared, &mut source, &tx, deadline).await else {
         drop(tx);
         let _ = writer.await;
         return;
     };
+    drop(slot);
     tracing::debug!(conn, device = %device, "authenticated");
 
     let in_flight = Arc::new(Semaphore::new(shared.config.max_in_flight));
@@ -177,13 +265,15 @@ async fn serve_connection(shared: &Arc<HubShared>, conn: u64, stream: BoxStream)
     let _ = writer.await;
 }
 
-/// Send a challenge and wait for a valid answer. Requests before it are
-/// answered `NotAuthenticated`; a wrong answer closes the connection.
+/// Send a challenge and wait for a valid answer until `deadline`. Requests
+/// before it are answered `NotAuthenticated`; a wrong answer closes the
+/// connection, and so does the deadline.
 async fn authenticate(
     shared: &Arc<HubShared>,
     source: &mut (impl futures::Stream<Item = Result<Message, tokio_tungstenite::tungstenite::Error>>
               + Unpin),
     tx: &mpsc::Sender<Message>,
+    deadline: tokio::time::Instant,
 ) -> Option<DeviceId> {
     let max_frame = shared.config.limits.max_frame();
     let nonce = shared.rng.bytes32();
@@ -198,14 +288,15 @@ async fn authenticate(
     tx.send(binary(&ServerFrame::Challenge(challenge)))
         .await
         .ok()?;
-    // The connection outlives the challenge a little, so a late answer is
-    // told `ChallengeExpired` rather than cut off without a reason.
-    let deadline = tokio::time::Instant::now() + shared.config.challenge_ttl * 2;
+    // With the default challenge TTL below the auth deadline, a late
+    // answer is told `ChallengeExpired` rather than cut off without a reason.
     loop {
         let msg = tokio::select! {
             _ = shared.shutdown.cancelled() => return None,
             _ = tokio::time::sleep_until(deadline) => {
-                let _ = tx.send(close(CloseCode::Policy, "authentication timed out")).await;
+                shared.counters.auth_timeouts.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!("{AUTH_TIMED_OUT}");
+                let _ = tx.send(close(CloseCode::Policy, AUTH_TIMED_OUT)).await;
                 return None;
             }
             m = source.next() => m,
@@ -363,8 +454,11 @@ impl Conn {
             Request::Publish(p) => match core.publish(d, p) {
                 Ok(r) => {
                     let out = Response::Published(r.value.outcome);
-                    self.respond_when_durable(id, r.gen, out, r.value.recipients)
-                        .await;
+                    // Streams of subscribers whose delivery was dropped are
+                    // woken too, to report it.
+                    let mut wake = r.value.recipients;
+                    wake.extend(r.value.dropped_for);
+                    self.respond_when_durable(id, r.gen, out, wake).await;
                 }
                 Err(e) => self.respond(id, Err(e)).await,
             },
@@ -381,7 +475,7 @@ impl Conn {
                 self.shared.tasks.spawn(async move {
                     let result = shared
                         .core
-                        .fetch(&topic, after, limit)
+                        .fetch(d, &topic, after, limit)
                         .await
                         .map(Response::Fetched);
                     let _ = tx.send(binary(&ServerFrame::Response { id, result })).await;
@@ -531,6 +625,20 @@ async fn pump(
             shared.counters.pushed.fetch_add(1, Ordering::Relaxed);
         }
         cursor = page.scanned_through;
+        if let Some((after_id, count)) = page.dropped {
+            // Reported once: the count is taken off only after the notice
+            // is queued on this connection.
+            let notice = ServerFrame::Error(HubError::DeliveriesDropped { after_id, count });
+            tokio::select! {
+                biased;
+                _ = cancel.cancelled() => break,
+                r = tx.send(binary(&notice)) => if r.is_err() { return },
+            }
+            if let Err(e) = shared.core.clear_dropped(device, count) {
+                let _ = tx.send(binary(&ServerFrame::ReceiveEnded(e))).await;
+                return;
+            }
+        }
         if page.more {
             continue;
         }
