@@ -457,7 +457,8 @@ impl GroupPeerManager {
                     });
                 }
                 // Nobody can claim a key package on our own loopback hub.
-                if s == super::link::LinkStatus::Connected && !super::loopback::is_loopback(l.url()) {
+                if s == super::link::LinkStatus::Connected && !super::loopback::is_loopback(l.url())
+                {
                     if let Err(e) = me.restock_key_packages(&l).await {
                         tracing::warn!(hub = l.url(), error = %e, "key package restock failed");
                     }

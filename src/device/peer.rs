@@ -534,7 +534,20 @@ impl GroupPeerManager {
     /// before the Welcome and every leaf of its tree verify: the Welcome is
     /// processed in an overlay that is dropped whole on any refusal.
     pub(super) async fn join(&self, env: &WelcomeEnvelope) -> Result<bool, DeviceError> {
-        if self.shared.records.group(&env.group)?.is_some() {
+        if let Some(rec) = self.shared.records.group(&env.group)? {
+            // Kept only from an admin of the group we hold: a stranger's
+            // envelope must not take the place of a real re-invite, nor
+            // become the group we join once we see our removal.
+            let admin = rec.ledger_complete
+                && self
+                    .ledger_state(&rec)
+                    .is_ok_and(|l| l.is_admin(&env.inviter));
+            if !admin {
+                return Err(DeviceError::Mls(
+                    "a Welcome for a group this device holds, from a device that is not its admin"
+                        .into(),
+                ));
+            }
             let mut b = WriteBatch::new();
             self.shared
                 .records

@@ -836,9 +836,11 @@ impl GroupPeerManager {
                 })?;
                 // Bounded: one member's clock far ahead must not drag
                 // every later entry of ours with it.
-                self.shared
-                    .hlc
-                    .observe_bounded(e.ord, self.shared.clock.now_ms(), HLC_MAX_AHEAD_MS);
+                self.shared.hlc.observe_bounded(
+                    e.ord,
+                    self.shared.clock.now_ms(),
+                    HLC_MAX_AHEAD_MS,
+                );
                 all.push(e);
             }
             let state = LedgerState::fold(rec.id, &all).map_err(|e| KvError::Corrupt {
