@@ -1066,6 +1066,11 @@ async fn a_member_who_is_not_an_admin_cannot_invite_or_remove_and_nothing_is_pub
     not_authorized(b.invite(g, c.id()).await, b.id());
     not_authorized(b.remove(g, a.id()).await, b.id());
     not_authorized(b.set_setting(g, "name", b"mine").await, b.id());
+    not_authorized(b.grant_admin(g, b.id()).await, b.id());
+    not_authorized(b.revoke_admin(g, a.id()).await, b.id());
+    not_authorized(b.bind_hub(g, "ws://127.0.0.1:9").await, b.id());
+    not_authorized(b.unbind_hub(g, &u[0]).await, b.id());
+    not_authorized(b.set_commit_hub(g, &u[0]).await, b.id());
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(reader.fetch(&topic, 0, 1).await.unwrap().head, head);
     let (e1, _) = agree(&[&a, &b], g).await;

@@ -616,7 +616,7 @@ impl GroupPeerManager {
             self.skip(guard, rec, hub, m, SkipReason::ForeignLeaf(reason))?;
             return Ok(Applied::Next);
         }
-        let entries = match self.check_ledger(guard, rec, &staged, &aad, sealed) {
+        let (entries, folded) = match self.check_ledger(guard, rec, &staged, &aad, sealed) {
             Ok(e) => e,
             Err(reason) => {
                 self.skip(guard, rec, hub, m, SkipReason::LedgerRefused(reason))?;
@@ -665,6 +665,7 @@ impl GroupPeerManager {
                 payload: m.payload.clone(),
                 welcome: None,
                 entries: entries.iter().map(Entry::encode).collect(),
+                folded,
                 roster,
             },
             b,
@@ -684,7 +685,7 @@ impl GroupPeerManager {
         staged: &StagedCommit,
         aad: &[u8],
         sealed: &[u8],
-    ) -> Result<Vec<Entry>, String> {
+    ) -> Result<(Vec<Entry>, Option<LedgerState>), String> {
         let ids = parse_enacted_aad(aad).ok_or("authenticated data is not a ledger id list")?;
         let current = guard
             .read(|g| GroupExt::from_extensions(g.extensions()))
@@ -697,6 +698,7 @@ impl GroupPeerManager {
         if next.topic_seed != current.topic_seed {
             return Err("the commit changes the topic seed".into());
         }
+        let mut folded = None;
         let entries = if ids.is_empty() {
             if !sealed.is_empty() {
                 return Err("sealed entries without ids".into());
@@ -724,6 +726,7 @@ impl GroupPeerManager {
                 if state.head != next.ledger_head {
                     return Err("the installed head is not the ledger's".into());
                 }
+                folded = Some(state);
             }
             entries
         };
@@ -761,7 +764,7 @@ impl GroupPeerManager {
                 "members removed without their member.remove entry (or the reverse)".into(),
             );
         }
-        Ok(entries)
+        Ok((entries, folded))
     }
 
     /// Merge our own journalled commit, accepted at `seq` on the journal's
@@ -794,6 +797,7 @@ impl GroupPeerManager {
                 payload: j.payload.clone(),
                 welcome,
                 entries: j.entries.clone(),
+                folded: None,
                 roster: j.roster,
             },
             b,
@@ -824,16 +828,27 @@ impl GroupPeerManager {
         });
         let ledger_changed = !l.entries.is_empty() && rec.ledger_complete;
         if ledger_changed {
-            let mut all = self.ledger_entries(rec.id)?;
-            let from = all.len() as u64;
+            let from = self.shared.records.ledger(&rec.id)?.len() as u64;
             self.shared
                 .records
                 .put_ledger(&mut b, &rec.id, from, &l.entries);
-            for e in &l.entries {
-                let e = Entry::decode(e).map_err(|e| KvError::Corrupt {
-                    key: "ledger entry".into(),
-                    reason: e.to_string(),
-                })?;
+            let state = match l.folded {
+                Some(state) => state,
+                None => {
+                    let mut all = self.ledger_entries(rec.id)?;
+                    for e in &l.entries {
+                        all.push(Entry::decode(e).map_err(|e| KvError::Corrupt {
+                            key: "ledger entry".into(),
+                            reason: e.to_string(),
+                        })?);
+                    }
+                    LedgerState::fold(rec.id, &all).map_err(|e| KvError::Corrupt {
+                        key: format!("ledger of {}", rec.id),
+                        reason: e.to_string(),
+                    })?
+                }
+            };
+            for e in l.entries.iter().filter_map(|e| Entry::decode(e).ok()) {
                 // Bounded: one member's clock far ahead must not drag
                 // every later entry of ours with it.
                 self.shared.hlc.observe_bounded(
@@ -841,12 +856,7 @@ impl GroupPeerManager {
                     self.shared.clock.now_ms(),
                     HLC_MAX_AHEAD_MS,
                 );
-                all.push(e);
             }
-            let state = LedgerState::fold(rec.id, &all).map_err(|e| KvError::Corrupt {
-                key: format!("ledger of {}", rec.id),
-                reason: e.to_string(),
-            })?;
             rec.hubs = state.hubs.clone();
             rec.commit_hub = select_commit_hub(&state);
         }
@@ -975,6 +985,9 @@ struct Landing<'a> {
     digest: [u8; 32],
     payload: Vec<u8>,
     welcome: Option<crate::wire::Publish>,
+    /// The ledger with these entries applied, when the checks already
+    /// folded it (so it is not folded twice).
+    folded: Option<LedgerState>,
     entries: Vec<Vec<u8>>,
     roster: bool,
 }
