@@ -13,15 +13,16 @@ use std::fmt;
 /// The newest protocol version this build speaks.
 ///
 /// Version 2 added [`AuthOk::store_id`] and the `last_id` of
-/// [`Response::ReceiveStarted`]; both change how those frames encode, so a
-/// build speaks only version 2 and a version 1 peer is told
+/// [`Response::ReceiveStarted`]; version 3 added [`Publish::writer`] and
+/// writer-bound topics ([`TopicId::writer_bound`]). Each changes how those
+/// frames encode, so a build speaks only version 3 and an older peer is told
 /// `UnsupportedVersion` (hub side) or [`ClientError::Version`] (client side)
 /// instead of failing to decode.
 ///
 /// [`ClientError::Version`]: crate::client::ClientError::Version
-pub const PROTOCOL_VERSION: u16 = 2;
+pub const PROTOCOL_VERSION: u16 = 3;
 /// The oldest protocol version this build still accepts.
-pub const MIN_PROTOCOL_VERSION: u16 = 2;
+pub const MIN_PROTOCOL_VERSION: u16 = 3;
 /// Domain separator of the signed authentication message.
 pub const AUTH_DOMAIN: &[u8] = b"hubsync-auth-v1\0";
 
@@ -98,14 +99,30 @@ impl fmt::Debug for StoreId {
 /// The first byte of a device's mailbox topic ([`TopicId::mailbox`]).
 pub const MAILBOX_TOPIC_TAG: u8 = 0x01;
 
+/// The first byte of a writer-bound topic ([`TopicId::writer_bound`]).
+pub const WRITER_TOPIC_TAG: u8 = 0x02;
+
+/// Domain separator of a writer-bound topic's name.
+pub const WRITER_TOPIC_DOMAIN: &[u8] = b"hubsync-writer-topic-v1\0";
+
+/// Domain separator of the message a writer key signs ([`writer_message`]).
+pub const WRITER_PUBLISH_DOMAIN: &[u8] = b"hubsync-publish-v1\0";
+
 /// An opaque topic id (1 to the hub's topic limit, 256 bytes by default).
 ///
-/// One form is reserved: 33 bytes, [`MAILBOX_TOPIC_TAG`] followed by a
-/// device id, is **the mailbox of that device** ([`TopicId::mailbox`]).
-/// The hub, which knows nothing else about topics, knows this much: only
-/// that device may subscribe to it or fetch it, anyone may post to it
-/// (mailbox class only, within a per-sender rate), and its deliveries go to
-/// that device alone. Every other byte string is an ordinary topic.
+/// Two forms are reserved, both 33 bytes; the hub, which knows nothing
+/// else about topics, knows this much of them:
+/// - [`MAILBOX_TOPIC_TAG`] followed by a device id is **the mailbox of that
+///   device** ([`TopicId::mailbox`]): only that device may subscribe to it
+///   or fetch it, anyone may post to it (mailbox class only, within a
+///   per-sender rate), and its deliveries go to that device alone.
+/// - [`WRITER_TOPIC_TAG`] followed by SHA-256 of [`WRITER_TOPIC_DOMAIN`] and
+///   an ed25519 public key is **a topic only that key's holder may write**
+///   ([`TopicId::writer_bound`]): every publish on it must carry a
+///   [`WriterProof`] by that key, or it is refused `NotAuthorized` and
+///   nothing is stored. Reading stays open to whoever knows the name.
+///
+/// Every other byte string is an ordinary topic.
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct TopicId(pub Vec<u8>);
 
@@ -122,6 +139,29 @@ impl TopicId {
         b.push(MAILBOX_TOPIC_TAG);
         b.extend_from_slice(device.as_bytes());
         TopicId(b)
+    }
+
+    /// The topic only the holder of the ed25519 key `key` may write:
+    /// [`WRITER_TOPIC_TAG`] followed by SHA-256([`WRITER_TOPIC_DOMAIN`] ‖
+    /// `key`), 33 bytes in all. The name binds the key, so the hub checks a
+    /// publish against the name alone and keeps no state for it: nothing a
+    /// restart or a lost store could forget, and no first writer to squat.
+    pub fn writer_bound(key: &[u8; 32]) -> TopicId {
+        use sha2::{Digest, Sha256};
+        let mut b = Vec::with_capacity(33);
+        b.push(WRITER_TOPIC_TAG);
+        b.extend_from_slice(
+            &Sha256::new()
+                .chain_update(WRITER_TOPIC_DOMAIN)
+                .chain_update(key)
+                .finalize(),
+        );
+        TopicId(b)
+    }
+
+    /// Whether this topic has the writer-bound form (whatever key it binds).
+    pub fn is_writer_bound(&self) -> bool {
+        self.0.len() == 33 && self.0[0] == WRITER_TOPIC_TAG
     }
 
     /// Whose mailbox this topic is, when it has the reserved form; `None`
@@ -205,6 +245,85 @@ pub struct Publish {
     pub retention_secs: Option<u64>,
     /// The opaque payload.
     pub payload: Vec<u8>,
+    /// The writer key's proof, required on a writer-bound topic
+    /// ([`TopicId::writer_bound`]) and ignored on any other.
+    pub writer: Option<WriterProof>,
+}
+
+/// A writer key's signature on one publish ([`Publish::writer`]).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WriterProof {
+    /// The ed25519 public key the topic's name binds.
+    pub key: [u8; 32],
+    /// ed25519 signature over [`writer_message`] of the publish (64 bytes).
+    pub signature: Vec<u8>,
+}
+
+/// Why a publish on a writer-bound topic was refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum WriterError {
+    /// The publish carries no writer proof.
+    #[error("a writer-bound topic needs a writer proof")]
+    Missing,
+    /// The proof's key is not the one the topic's name binds.
+    #[error("the writer key is not the one this topic binds")]
+    WrongKey,
+    /// The signature does not verify under the key.
+    #[error("the writer signature does not verify")]
+    BadSignature,
+}
+
+/// What a writer key signs for one publish: [`WRITER_PUBLISH_DOMAIN`] ‖
+/// topic length (u16 big-endian) ‖ topic ‖ publish id (32) ‖ class (0
+/// mailbox, 1 log) ‖ SHA-256(payload). The compare-and-set head, the
+/// retention and `replay_only` are left out: a retry under another head is
+/// the same publish, and changing them gains a replayer nothing the
+/// idempotency record does not already refuse.
+pub fn writer_message(p: &Publish) -> Vec<u8> {
+    use sha2::{Digest, Sha256};
+    let mut m = Vec::with_capacity(WRITER_PUBLISH_DOMAIN.len() + 2 + p.topic.0.len() + 65);
+    m.extend_from_slice(WRITER_PUBLISH_DOMAIN);
+    m.extend_from_slice(&(p.topic.0.len().min(u16::MAX as usize) as u16).to_be_bytes());
+    m.extend_from_slice(&p.topic.0);
+    m.extend_from_slice(&p.publish_id.0);
+    m.push(match p.class {
+        RetentionClass::Mailbox => 0,
+        RetentionClass::Log => 1,
+    });
+    m.extend_from_slice(&Sha256::digest(&p.payload));
+    m
+}
+
+impl Publish {
+    /// Sign this publish with the writer key `key` (set [`Publish::writer`]).
+    /// Call it last: the proof covers the topic, publish id, class and
+    /// payload.
+    pub fn sign_writer(&mut self, key: &ed25519_dalek::SigningKey) {
+        use ed25519_dalek::Signer as _;
+        let signature = key.sign(&writer_message(self)).to_bytes().to_vec();
+        self.writer = Some(WriterProof {
+            key: key.verifying_key().to_bytes(),
+            signature,
+        });
+    }
+
+    /// Check the writer proof a writer-bound topic needs; any publish on
+    /// another topic passes. What the hub runs before it stores anything.
+    pub fn check_writer(&self) -> Result<(), WriterError> {
+        if !self.topic.is_writer_bound() {
+            return Ok(());
+        }
+        let proof = self.writer.as_ref().ok_or(WriterError::Missing)?;
+        if TopicId::writer_bound(&proof.key) != self.topic {
+            return Err(WriterError::WrongKey);
+        }
+        let key = ed25519_dalek::VerifyingKey::from_bytes(&proof.key)
+            .map_err(|_| WriterError::WrongKey)?;
+        let sig = ed25519_dalek::Signature::from_slice(&proof.signature)
+            .map_err(|_| WriterError::BadSignature)?;
+        key.verify_strict(&writer_message(self), &sig)
+            .map_err(|_| WriterError::BadSignature)
+    }
 }
 
 /// What a publish did. A lost race is an outcome, not an error.
@@ -859,6 +978,7 @@ mod tests {
                 replay_only: false,
                 retention_secs: Some(60),
                 payload: vec![1, 2, 3],
+                writer: None,
             }),
         }
     }
@@ -988,6 +1108,56 @@ mod tests {
         for f in [refused, over, notice] {
             assert_eq!(ServerFrame::decode(&f.encode(), 1 << 20).unwrap(), f);
         }
+    }
+
+    /// The worked example of docs/protocol.md ("A writer-bound publish"):
+    /// another implementation can check its own bytes against these.
+    #[test]
+    fn a_writer_bound_publish_encodes_as_the_protocol_document_says() {
+        let key = ed25519_dalek::SigningKey::from_bytes(&[0x22; 32]);
+        let topic = TopicId::writer_bound(&key.verifying_key().to_bytes());
+        assert_eq!(
+            hex::encode(&topic.0),
+            "0261cb9d61b03b301e827b405d5612dd74dd4e61e5ecd0e3d5c0461080d4302c11"
+        );
+        let mut p = Publish {
+            topic: topic.clone(),
+            publish_id: PublishId([3; 32]),
+            class: RetentionClass::Log,
+            expected_head: ExpectedHead::Seq(4),
+            replay_only: false,
+            retention_secs: None,
+            payload: vec![1, 2, 3],
+            writer: None,
+        };
+        assert_eq!(writer_message(&p).len(), 119);
+        p.sign_writer(&key);
+        let proof = p.writer.clone().unwrap();
+        assert_eq!(
+            hex::encode(proof.key),
+            "a09aa5f47a6759802ff955f8dc2d2a14a5c99d23be97f864127ff9383455a4f0"
+        );
+        assert_eq!(
+            hex::encode(&proof.signature),
+            "58bb3de7a30643d28d8ca40b1a259db9024be80a7e2f14e2068bf76e90015a8a\
+             a3d3bd11ed19f1caf6e10ccb12d838d675804ef6e5ca2c0318f78968e6190a0f"
+        );
+        assert_eq!(p.check_writer(), Ok(()));
+        let bytes = ClientFrame::Request {
+            id: 7,
+            op: Request::Publish(p.clone()),
+        }
+        .encode();
+        let mut want = vec![0x02, 0x07, 0x00, 33];
+        want.extend_from_slice(&topic.0);
+        want.extend_from_slice(&[3; 32]);
+        want.extend_from_slice(&[0x01, 0x02, 0x04, 0x00, 0x00, 0x03, 1, 2, 3]);
+        want.push(0x01);
+        want.extend_from_slice(&proof.key);
+        want.push(64);
+        want.extend_from_slice(&proof.signature);
+        assert_eq!(bytes, want);
+        assert_eq!(bytes.len(), 176);
     }
 
     #[test]

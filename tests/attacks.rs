@@ -10,7 +10,7 @@
 
 use ed25519_dalek::SigningKey;
 use futures::StreamExt;
-use hubsync::client::{HubClient, Push};
+use hubsync::client::{ClientError, HubClient, Push};
 use hubsync::device::frames::{AppMessage, WelcomeEnvelope};
 use hubsync::device::identity::DeviceIdentity;
 use hubsync::device::lane::SkipReason;
@@ -19,13 +19,15 @@ use hubsync::device::mls::{
     capabilities, create_config, APP_TOPIC_LABEL, CIPHERSUITE, MAX_PAST_EPOCHS,
 };
 use hubsync::device::records::Records;
-use hubsync::device::topics::{app_topic, commit_topic, welcome_topic};
+use hubsync::device::topics::{
+    app_topic, commit_writer, welcome_topic, TopicWriter, COMMIT_SEED_LABEL,
+};
 use hubsync::device::{CommitError, Event, GroupId};
 use hubsync::hub::Limits;
 use hubsync::kv::KvStore;
 use hubsync::testkit::{device_options, open_sled, signing_key, TestDevice, TestHub};
 use hubsync::wire::{
-    DeviceId, ExpectedHead, Publish, PublishId, PublishOutcome, RetentionClass, TopicId,
+    DeviceId, ExpectedHead, HubError, Publish, PublishId, PublishOutcome, RetentionClass, TopicId,
 };
 use openmls::prelude::tls_codec::{Deserialize as _, Serialize as _};
 use openmls::prelude::{
@@ -292,16 +294,30 @@ fn fresh_publish_id() -> PublishId {
     PublishId(rand::random())
 }
 
-fn log_publish(topic: &TopicId, expected_head: ExpectedHead, payload: Vec<u8>) -> Publish {
-    Publish {
-        topic: topic.clone(),
+/// A log publish on `w`'s topic, signed with its writer key.
+fn log_publish(w: &TopicWriter, expected_head: ExpectedHead, payload: Vec<u8>) -> Publish {
+    let mut p = Publish {
+        topic: w.topic().clone(),
         publish_id: fresh_publish_id(),
         class: RetentionClass::Log,
         expected_head,
         replay_only: false,
         retention_secs: None,
         payload,
-    }
+        writer: None,
+    };
+    w.sign(&mut p);
+    p
+}
+
+/// The writer of the commit topic a plain MLS client computes for its
+/// group (docs/protocol.md Part II): from the exporter secret of the
+/// epoch it joined at (a roster change).
+fn commit_writer_of(group: &MlsGroup, provider: &OpenMlsRustCrypto) -> TopicWriter {
+    let seed = group
+        .export_secret(provider.crypto(), COMMIT_SEED_LABEL, &[], 32)
+        .unwrap();
+    commit_writer(&seed.try_into().unwrap())
 }
 
 fn mailbox_publish(topic: &TopicId, payload: Vec<u8>) -> Publish {
@@ -313,6 +329,7 @@ fn mailbox_publish(topic: &TopicId, payload: Vec<u8>) -> Publish {
         replay_only: false,
         retention_secs: None,
         payload,
+        writer: None,
     }
 }
 
@@ -504,22 +521,22 @@ impl Raw {
 
     /// Publish on a log topic, compare-and-set on its current head, as the
     /// commit lane does; answers the sequence number.
-    async fn publish_at_head(&self, topic: &TopicId, payload: Vec<u8>) -> u64 {
-        let head = self.client.fetch(topic, 0, 1).await.unwrap().head;
+    async fn publish_at_head(&self, w: &TopicWriter, payload: Vec<u8>) -> u64 {
+        let head = self.client.fetch(w.topic(), 0, 1).await.unwrap().head;
         let expected = head.map_or(ExpectedHead::Empty, ExpectedHead::Seq);
         accepted_seq(
             self.client
-                .publish(log_publish(topic, expected, payload))
+                .publish(log_publish(w, expected, payload))
                 .await
                 .unwrap(),
         )
     }
 
     /// Publish on a log topic whatever its head.
-    async fn publish_anyway(&self, topic: &TopicId, payload: Vec<u8>) -> u64 {
+    async fn publish_anyway(&self, w: &TopicWriter, payload: Vec<u8>) -> u64 {
         accepted_seq(
             self.client
-                .publish(log_publish(topic, ExpectedHead::Unconditional, payload))
+                .publish(log_publish(w, ExpectedHead::Unconditional, payload))
                 .await
                 .unwrap(),
         )
@@ -588,7 +605,13 @@ async fn a_key_package_whose_leaf_is_not_its_device_is_never_invited() {
     let (wa, wb) = (Watch::new(&a), Watch::new(&b));
     let g = group_of(&a, &[(&b, &wb)], &u).await;
     let (e0, auth0) = agree(&[&a, &b], g).await;
-    let topic = commit_topic(&a.manager().record(g).unwrap().topic_seed);
+    let topic = a
+        .manager()
+        .record(g)
+        .unwrap()
+        .commit_writer()
+        .topic()
+        .clone();
     let head0 = hub
         .client(&signing_key(1))
         .await
@@ -716,11 +739,10 @@ async fn a_member_cannot_switch_its_leaf_to_another_devices_identity() {
     let (e, auth) = agree(&[&a, &b], g).await;
     assert_eq!(group.epoch().as_u64(), e);
     assert_eq!(group.epoch_authenticator().as_slice(), auth.as_slice());
-    let seed = GroupExt::from_extensions(group.extensions())
+    GroupExt::from_extensions(group.extensions())
         .unwrap()
-        .expect("the hubsync extension")
-        .topic_seed;
-    let topic = commit_topic(&seed);
+        .expect("the hubsync extension");
+    let topic = commit_writer_of(&group, &m.provider);
     let mut roster = vec![a.id(), b.id(), m.id(), x.id()];
     roster.sort();
     assert_eq!(a.members(g).await.unwrap(), roster);
@@ -1178,16 +1200,25 @@ async fn a_flood_of_envelopes_for_unknown_groups_leaves_no_state() {
 /// A frame whose publisher is not in the roster at that epoch is never
 /// evidence (DESIGN.md section 9; `classify` in lane/classify.rs).
 ///
+/// And a removed member cannot write where the group commits now: the
+/// removal moved the commit log to a topic whose writer key derives from
+/// the new epoch (DESIGN.md section 9, writer keys).
+///
 /// C builds a real commit at its last epoch and never publishes it (the
 /// `halt_after_journal` fault stops it after the journal); B goes offline;
-/// A removes C. C, with its own key on its own connection, on the commit
-/// topic from its old record's topic seed, publishes: its real commit;
-/// copies claiming the current epoch and the next one (the one that would
-/// strand a reader that took it for a member's); a copy of the removal
-/// commit itself (each skipped as `Stranger`); garbage (`Garbage`). A
-/// skips each; B, back online, applies its removal first and skips the
-/// same five for the same reasons. Nobody is stranded
-/// and the group goes on.
+/// A removes C. C, with its own key on its own connection:
+/// - on the group's new commit topic, signed with the writer key it knew,
+///   is refused `NotAuthorized`, and nothing is stored;
+/// - on its old commit topic (the old key still writes there) publishes
+///   junk after its removal: B, back online, reads the removal there and
+///   moves on to the new topic; nobody judges what came after.
+///
+/// Then, as if a member leaked the new writer key to C, C publishes on the
+/// new topic: its real commit; copies claiming the current epoch and the
+/// next one (the one that would strand a reader that took it for a
+/// member's); a copy of the removal commit itself (each skipped as
+/// `Stranger`); garbage (`Garbage`). A and B skip each for the same
+/// reasons. Nobody is stranded and the group goes on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_removed_members_frames_on_the_commit_topic_strand_nobody() {
     let hub = hub().await;
@@ -1200,7 +1231,7 @@ async fn a_removed_members_frames_on_the_commit_topic_strand_nobody() {
     agree(&[&a, &b, &c], g).await;
 
     // C's unpublished commit, its identity and its old record's seed.
-    let seed = c.manager().record(g).unwrap().topic_seed;
+    let old = c.manager().record(g).unwrap().commit_writer();
     c.manager().faults().no_pull.store(true, SeqCst);
     c.manager().faults().halt_after_journal.store(true, SeqCst);
     assert_eq!(c.rotate_keys(g).await.unwrap_err(), CommitError::Stopped);
@@ -1218,7 +1249,8 @@ async fn a_removed_members_frames_on_the_commit_topic_strand_nobody() {
     a.remove(g, cid).await.unwrap();
     let (e, _) = agree(&[&a], g).await;
     assert_eq!(e, c_epoch + 1);
-    let topic = commit_topic(&seed);
+    let new = a.manager().record(g).unwrap().commit_writer();
+    assert_ne!(new.topic(), old.topic(), "the removal moved the log");
     let removed = Raw {
         signer: signer_of(&c_key),
         client: hub.client(&c_key).await.unwrap(),
@@ -1226,12 +1258,37 @@ async fn a_removed_members_frames_on_the_commit_topic_strand_nobody() {
         provider: OpenMlsRustCrypto::default(),
         pushes: None,
     };
-    let log = removed.client.fetch(&topic, 0, 100).await.unwrap();
+    // The writer key C knew does not write the new topic.
+    let head = removed.client.fetch(new.topic(), 0, 1).await.unwrap().head;
+    let mut own = log_publish(&new, ExpectedHead::Unconditional, c_commit.clone());
+    let mut theirs = log_publish(&old, ExpectedHead::Unconditional, c_commit.clone());
+    own.writer = theirs.writer.take();
+    assert_eq!(
+        removed.client.publish(own).await.unwrap_err(),
+        ClientError::Hub(HubError::NotAuthorized)
+    );
+    assert_eq!(
+        removed.client.fetch(new.topic(), 0, 1).await.unwrap().head,
+        head,
+        "nothing stored"
+    );
+    // The old topic still takes the old key: junk after the removal there
+    // is read by nobody.
+    let log = removed.client.fetch(old.topic(), 0, 100).await.unwrap();
     let removal = log.messages.last().expect("the removal").payload.clone();
     assert_eq!(mls_header(&removal).1, c_epoch);
-    // Each frame and why it must be skipped: a well-formed frame of the
-    // group is judged on its publisher, who is no member; garbage is
-    // garbage before anything else.
+    removed
+        .publish_anyway(&old, with_epoch(&c_commit, e + 1))
+        .await;
+
+    // B was away: it reads the removal on the old topic and moves on.
+    b.reopen().await.unwrap();
+    let wb = Watch::new(&b);
+    assert_eq!(agree(&[&a, &b], g).await.0, e);
+
+    // With the new key leaked to it: each frame and why it must be
+    // skipped. A well-formed frame of the group is judged on its
+    // publisher, who is no member; garbage is garbage before anything else.
     let frames = vec![
         (c_commit.clone(), SkipReason::Stranger),
         (with_epoch(&c_commit, e), SkipReason::Stranger),
@@ -1241,16 +1298,10 @@ async fn a_removed_members_frames_on_the_commit_topic_strand_nobody() {
     ];
     let mut seqs = Vec::new();
     for (f, why) in frames {
-        seqs.push((removed.publish_anyway(&topic, f).await, why));
+        seqs.push((removed.publish_anyway(&new, f).await, why));
     }
     for (s, why) in &seqs {
         assert_eq!(&wa.skipped_at(g, *s).await, why, "frame {s}");
-    }
-
-    // B was away: it reads the removal, then the removed member's frames.
-    b.reopen().await.unwrap();
-    let wb = Watch::new(&b);
-    for (s, why) in &seqs {
         assert_eq!(&wb.skipped_at(g, *s).await, why, "frame {s} on B");
     }
     assert_eq!(agree(&[&a, &b], g).await.0, e);
@@ -1261,6 +1312,88 @@ async fn a_removed_members_frames_on_the_commit_topic_strand_nobody() {
         0,
         "nobody stranded"
     );
+}
+
+/// A stranger who learned a group's commit topic name (a hub operator
+/// sees it; it is in no clear field, but assume it leaked) and holds no
+/// writer key: every publish there is refused `NotAuthorized` and nothing
+/// is stored. Garbage, a well-formed copy of a real commit claiming a
+/// far-future epoch, a proof by the stranger's own key, and a flood deeper
+/// than the hub's log depth (which would trim the log and leave members
+/// behind the trim with a gap) all fail; the head and the oldest frame do
+/// not move, and the members' next commit wins its compare-and-set at the
+/// first attempt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stranger_without_the_writer_key_can_neither_move_nor_trim_a_commit_topic() {
+    const DEPTH: u64 = 8;
+    let hub = TestHub::start_with(|c| {
+        unthrottled(c);
+        c.limits.max_log_depth = DEPTH;
+    })
+    .await
+    .unwrap();
+    let u = vec![hub.url().to_string()];
+    let a = TestDevice::open(&u).await.unwrap();
+    let b = TestDevice::open(&u).await.unwrap();
+    let (wa, wb) = (Watch::new(&a), Watch::new(&b));
+    let g = group_of(&a, &[(&b, &wb)], &u).await;
+    a.rotate_keys(g).await.unwrap();
+    let (e, _) = agree(&[&a, &b], g).await;
+    let writer = a.manager().record(g).unwrap().commit_writer();
+    let topic = writer.topic().clone();
+    let stranger_key = signing_key(7007);
+    let stranger = hub.client(&stranger_key).await.unwrap();
+    let before = stranger.fetch(&topic, 0, 100).await.unwrap();
+    let real = before
+        .messages
+        .last()
+        .expect("a's rotation")
+        .payload
+        .clone();
+
+    let refused = |p: Publish| {
+        let stranger = &stranger;
+        async move {
+            assert_eq!(
+                stranger.publish(p).await.unwrap_err(),
+                ClientError::Hub(HubError::NotAuthorized)
+            );
+        }
+    };
+    let unsigned = |payload: Vec<u8>| {
+        let mut p = log_publish(&writer, ExpectedHead::Unconditional, payload);
+        p.writer = None;
+        p
+    };
+    // A far-future copy of a real commit, and garbage.
+    refused(unsigned(with_epoch(&real, e + 1000))).await;
+    refused(unsigned(b"garbage".to_vec())).await;
+    // A proof by the stranger's own key, on the group's topic.
+    let mut own = log_publish(&writer, ExpectedHead::Unconditional, real.clone());
+    let mine = commit_writer(&[0x77; 32]);
+    let mut theirs = log_publish(&mine, ExpectedHead::Unconditional, real.clone());
+    own.writer = theirs.writer.take();
+    if let Some(proof) = own.writer.as_mut() {
+        proof.key = stranger_key.verifying_key().to_bytes();
+    }
+    refused(own).await;
+    // A flood deeper than the log.
+    for i in 0..(3 * DEPTH) {
+        refused(unsigned(format!("junk {i}").into_bytes())).await;
+    }
+
+    let after = stranger.fetch(&topic, 0, 100).await.unwrap();
+    assert_eq!(after.head, before.head, "the head never moved");
+    assert_eq!(after.oldest, before.oldest, "nothing was trimmed");
+    assert!(!after.gap);
+    assert_eq!(after.messages.len(), before.messages.len());
+
+    let r = b.rotate_keys(g).await.unwrap();
+    assert_eq!(r.outcome.attempts, 1, "no lost compare-and-set");
+    assert_eq!(Some(r.outcome.seq), before.head.map(|h| h + 1));
+    carry_on(&a, &[&a, &b], &[&wb], g, b"after the stranger").await;
+    message_reaches(&b, &[&wa], g, b"and back").await;
+    assert_eq!(wa.stranded() + wb.stranded(), 0);
 }
 
 // ---------------------------------------------------------------------------
@@ -1291,11 +1424,7 @@ async fn a_standard_clients_public_message_commit_is_accepted() {
     let mut group = m.join(&env, MIXED_PLAINTEXT_WIRE_FORMAT_POLICY);
     let (e, _) = agree(&[&a, &b], g).await;
     assert_eq!(group.epoch().as_u64(), e);
-    let seed = GroupExt::from_extensions(group.extensions())
-        .unwrap()
-        .unwrap()
-        .topic_seed;
-    let topic = commit_topic(&seed);
+    let topic = commit_writer_of(&group, &m.provider);
     // The app topic of the epoch of the last roster change: this one.
     let app = app_topic(
         &group
@@ -1354,7 +1483,12 @@ async fn a_standard_clients_public_message_commit_is_accepted() {
     }
     assert_eq!(read, vec![b"to everyone, m too".to_vec()]);
     carry_on(&b, &[&a, &b], &[&wa], g, b"b commits after m").await;
-    let next = m.client.fetch(&topic, seq, 100).await.unwrap().messages;
+    let next = m
+        .client
+        .fetch(topic.topic(), seq, 100)
+        .await
+        .unwrap()
+        .messages;
     assert_eq!(next.len(), 1, "b's rotation");
     let pm = MlsMessageIn::tls_deserialize_exact(next[0].payload.as_slice())
         .unwrap()

@@ -928,22 +928,29 @@ async fn auth_ok_carries_the_store_id_and_the_agreed_version() {
 }
 
 #[tokio::test]
-async fn a_version_1_device_is_refused_by_name() {
-    // Version 1 had no store id in AuthOk: a version 1 device must hear
-    // `UnsupportedVersion`, not get a frame it cannot decode.
-    let hub = TestHub::start().await.unwrap();
-    let mut c = RawConn::open(hub.url()).await;
-    let mut a = c.auth_for(&signing_key(1));
-    a.version = 1;
-    c.send(&ClientFrame::Auth(a)).await;
-    assert!(matches!(
-        c.recv().await,
-        Got::Frame(ServerFrame::Error(HubError::UnsupportedVersion {
-            requested: 1,
-            min: 2,
-            max: 2,
-        }))
-    ));
+async fn an_older_device_is_refused_by_name() {
+    // Version 1 had no store id in AuthOk, version 2 no writer proof in
+    // Publish: an older device must hear `UnsupportedVersion`, not get (or
+    // send) a frame the other side cannot decode.
+    for old in [1, 2] {
+        let hub = TestHub::start().await.unwrap();
+        let mut c = RawConn::open(hub.url()).await;
+        let mut a = c.auth_for(&signing_key(1));
+        a.version = old;
+        c.send(&ClientFrame::Auth(a)).await;
+        let got = c.recv().await;
+        assert!(
+            matches!(
+                got,
+                Got::Frame(ServerFrame::Error(HubError::UnsupportedVersion {
+                    requested,
+                    min: 3,
+                    max: 3,
+                })) if requested == old
+            ),
+            "version {old}: {got:?}"
+        );
+    }
 }
 
 #[tokio::test]

@@ -3,11 +3,12 @@
 //! 3, 4 and 9). Each test states one behaviour and checks its outcome:
 //! epochs, epoch authenticators, ledgers, cursors, events, hub logs.
 
+use hubsync::client::ClientError;
 use hubsync::device::identity::DeviceIdentity;
 use hubsync::device::lane::{SkipReason, LOOPBACK_HUB};
 use hubsync::device::ledger::{EntryType, LedgerError};
 use hubsync::device::records::Records;
-use hubsync::device::topics::commit_topic;
+use hubsync::device::topics::TopicWriter;
 use hubsync::device::{CommitError, CommitKind, Event, GroupId};
 use hubsync::hub::Limits;
 use hubsync::kv::KvStore;
@@ -15,7 +16,7 @@ use hubsync::testkit::{
     device_options, open_sled, signing_key, FaultyKv, Gate, GatedConnector, TestDevice, TestHub,
 };
 use hubsync::wire::{
-    DeviceId, ExpectedHead, Publish, PublishId, PublishOutcome, RetentionClass, TopicId,
+    DeviceId, ExpectedHead, HubError, Publish, PublishId, PublishOutcome, RetentionClass, TopicId,
 };
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
@@ -285,12 +286,26 @@ async fn message_reaches(from: &TestDevice, to: &[&Watch], g: GroupId, body: &[u
     }
 }
 
-/// The group's commit topic, computed from a member's record.
+/// The group's current commit topic, computed from a member's record.
 fn topic_of(d: &TestDevice, g: GroupId) -> TopicId {
-    commit_topic(&d.manager().record(g).unwrap().topic_seed)
+    writer_of(d, g).topic().clone()
 }
 
-fn log_publish(topic: &TopicId, id: u64, payload: Vec<u8>) -> Publish {
+/// The writer of the group's current commit topic, as a member holds it:
+/// what an insider (or a hub, which can inject anything) writes with.
+fn writer_of(d: &TestDevice, g: GroupId) -> TopicWriter {
+    d.manager().record(g).unwrap().commit_writer()
+}
+
+/// A log publish on `w`'s topic, signed with its writer key.
+fn log_publish(w: &TopicWriter, id: u64, payload: Vec<u8>) -> Publish {
+    let mut p = unsigned_publish(w.topic(), id, payload);
+    w.sign(&mut p);
+    p
+}
+
+/// A log publish with no writer proof, as a stranger would send it.
+fn unsigned_publish(topic: &TopicId, id: u64, payload: Vec<u8>) -> Publish {
     let mut pid = [0xabu8; 32];
     pid[..8].copy_from_slice(&id.to_be_bytes());
     Publish {
@@ -301,6 +316,7 @@ fn log_publish(topic: &TopicId, id: u64, payload: Vec<u8>) -> Publish {
         replay_only: false,
         retention_secs: None,
         payload,
+        writer: None,
     }
 }
 
@@ -707,13 +723,27 @@ async fn frames_from_strangers_and_removed_members_are_skipped_and_strand_nobody
     let (wa, wb, wc) = (Watch::new(&a), Watch::new(&b), Watch::new(&c));
     let g = group_of(&a, &[(&b, &wb), (&c, &wc)], &u).await;
     agree(&[&a, &b, &c], g).await;
-    let topic = topic_of(&b, g);
+    let writer = writer_of(&b, g);
+    let topic = writer.topic().clone();
     let stranger = hubs[0].client(&signing_key(4242)).await.unwrap();
+    let head = stranger.fetch(&topic, 0, 1).await.unwrap().head;
 
+    // Without the topic's writer key the hub takes nothing at all.
+    assert_eq!(
+        stranger
+            .publish(unsigned_publish(&topic, 9, b"not an MLS message".to_vec()))
+            .await
+            .unwrap_err(),
+        ClientError::Hub(HubError::NotAuthorized)
+    );
+    assert_eq!(stranger.fetch(&topic, 0, 1).await.unwrap().head, head);
+
+    // What follows is written with the writer key, as an insider or the
+    // hub itself could: the members' own judgement must hold.
     // (a) Garbage.
     let seq = accepted_seq(
         stranger
-            .publish(log_publish(&topic, 1, b"not an MLS message".to_vec()))
+            .publish(log_publish(&writer, 1, b"not an MLS message".to_vec()))
             .await
             .unwrap(),
     );
@@ -733,7 +763,7 @@ async fn frames_from_strangers_and_removed_members_are_skipped_and_strand_nobody
     assert_eq!(mls_header(&forged), (g.0.to_vec(), e + 1000));
     let seq = accepted_seq(
         stranger
-            .publish(log_publish(&topic, 2, forged))
+            .publish(log_publish(&writer, 2, forged))
             .await
             .unwrap(),
     );
@@ -743,13 +773,16 @@ async fn frames_from_strangers_and_removed_members_are_skipped_and_strand_nobody
     carry_on(&b, &[&a, &b, &c], &[&wa, &wc], g, b"after the future").await;
 
     // (c) A removed member: c builds a real commit at its epoch and never
-    // publishes it (stopped after the journal); then a removes c, and c,
-    // with its own key, publishes that commit on the topic, and a copy
-    // claiming a later epoch.
+    // publishes it (stopped after the journal); then a removes c, which
+    // moves the commit log to a topic c cannot compute. c, with its own
+    // key, publishes that commit on the new topic: refused without the
+    // new writer key. Then, as if a member had leaked that key to it, it
+    // publishes the commit and a copy claiming a later epoch: skipped.
     c.manager().faults().no_pull.store(true, SeqCst);
     c.manager().faults().halt_after_journal.store(true, SeqCst);
     assert_eq!(c.rotate_keys(g).await.unwrap_err(), CommitError::Stopped);
     let cid = c.id();
+    let c_writer = writer_of(&c, g);
     c.close().await;
     let (c_key, c_commit) = {
         let kv: Arc<dyn KvStore> = Arc::new(open_sled(c.dir()).await.unwrap());
@@ -762,20 +795,31 @@ async fn frames_from_strangers_and_removed_members_are_skipped_and_strand_nobody
     a.remove(g, cid).await.unwrap();
     let (e, _) = agree(&[&a, &b], g).await;
     assert_eq!(e, c_epoch + 1);
+    // Fresh watches: sequence numbers start again on the new topic.
+    let (wa2, wb2) = (Watch::new(&a), Watch::new(&b));
+    let leaked = writer_of(&a, g);
+    assert_ne!(leaked.topic(), c_writer.topic(), "the remove moved the log");
     let removed = hubs[0].client(&c_key).await.unwrap();
+    let mut own = unsigned_publish(leaked.topic(), 5, c_commit.clone());
+    c_writer.sign(&mut own);
+    assert_eq!(
+        removed.publish(own).await.unwrap_err(),
+        ClientError::Hub(HubError::NotAuthorized),
+        "the writer key c knew is not the new topic's"
+    );
     let s1 = accepted_seq(
         removed
-            .publish(log_publish(&topic, 3, c_commit.clone()))
+            .publish(log_publish(&leaked, 3, c_commit.clone()))
             .await
             .unwrap(),
     );
     let s2 = accepted_seq(
         removed
-            .publish(log_publish(&topic, 4, with_epoch(&c_commit, e + 3)))
+            .publish(log_publish(&leaked, 4, with_epoch(&c_commit, e + 3)))
             .await
             .unwrap(),
     );
-    for w in [&wa, &wb] {
+    for w in [&wa2, &wb2] {
         assert_eq!(w.skipped_at(g, s1).await, SkipReason::Stranger);
         assert_eq!(w.skipped_at(g, s2).await, SkipReason::Stranger);
     }
@@ -872,7 +916,8 @@ async fn a_hub_restarted_empty_is_noticed_and_the_group_carries_on() {
     let g = group_of(&a, &[(&b, &wb)], &u).await;
     a.rotate_keys(g).await.unwrap();
     let (e, _) = agree(&[&a, &b], g).await;
-    assert!(b.manager().record(g).unwrap().cursor() >= 2);
+    // The invite moved the log to a new topic; a's rotation is its first.
+    assert!(b.manager().record(g).unwrap().cursor() >= 1);
 
     hub.stop().await;
     let empty = tempfile::tempdir().unwrap();
@@ -880,15 +925,16 @@ async fn a_hub_restarted_empty_is_noticed_and_the_group_carries_on() {
 
     let r = a.rotate_keys(g).await.unwrap();
     // Before committing, a gave the empty store back the commits it had
-    // merged (the invite and the rotation): they come first.
-    assert_eq!(r.outcome.seq, 3, "after the two commits a gave back");
+    // merged, each on its own topic: the invite on the first, the rotation
+    // first on the topic the invite moved the log to.
+    assert_eq!(r.outcome.seq, 2, "after the rotation a gave back");
     assert_eq!(r.outcome.epoch, e + 1);
     let (e1, _) = agree(&[&a, &b], g).await;
     assert_eq!(e1, e + 1);
     assert!(wa.rewound(&u[0]) >= 1, "a noticed the rewind");
     assert!(wb.rewound(&u[0]) >= 1, "b noticed the rewind");
     let r = b.rotate_keys(g).await.unwrap();
-    assert_eq!((r.outcome.seq, r.outcome.epoch), (4, e + 2));
+    assert_eq!((r.outcome.seq, r.outcome.epoch), (3, e + 2));
     agree(&[&a, &b], g).await;
     message_reaches(&a, &[&wb], g, b"after the empty restart").await;
     message_reaches(&b, &[&wa], g, b"reply").await;
@@ -959,16 +1005,20 @@ async fn a_member_offline_while_the_hub_lost_its_store_still_notices_the_new_sto
     let mut b = TestDevice::open(&u).await.unwrap();
     let wb = Watch::new(&b);
     let g = group_of(&a, &[(&b, &wb)], &u).await;
+    a.rotate_keys(g).await.unwrap();
     let (e, _) = agree(&[&a, &b], g).await;
     let cursor = b.manager().record(g).unwrap().cursor();
-    assert_eq!(cursor, 1, "one commit so far: the invite");
+    assert_eq!(
+        cursor, 1,
+        "one commit so far on the topic the invite moved the log to"
+    );
 
     b.close().await;
     hub.stop().await;
     let empty = tempfile::tempdir().unwrap();
     let _hub = hub_at(empty.path(), &addr).await;
     let r = a.rotate_keys(g).await.unwrap();
-    // a gave the new store back the invite first.
+    // a gave the new store back its rotation first.
     assert_eq!((r.outcome.seq, r.outcome.epoch), (2, e + 1));
 
     b.reopen().await.unwrap();
@@ -1302,6 +1352,7 @@ async fn a_group_with_no_hub_commits_through_the_loopback_hub_until_one_is_bound
     assert_eq!(rec.hubs, u.clone());
     assert_eq!(rec.commit_hub, u[0], "commits move to the bound hub");
 
+    let before = topic_of(&a, g);
     invite_with_retry(&a, g, b.id()).await;
     wb.until(
         "b joins",
@@ -1311,11 +1362,18 @@ async fn a_group_with_no_hub_commits_through_the_loopback_hub_until_one_is_bound
     let (e, _) = agree(&[&a, &b], g).await;
     assert_eq!(e, 3);
     let r = b.rotate_keys(g).await.unwrap();
-    assert_eq!(r.outcome.seq, 2, "the second commit on the real hub");
+    assert_eq!(
+        r.outcome.seq, 1,
+        "the first commit on the topic the invite moved the log to"
+    );
     let reader = hubs[0].client(&signing_key(904)).await.unwrap();
-    let f = reader.fetch(&topic_of(&a, g), 0, 10).await.unwrap();
-    let senders: Vec<DeviceId> = f.messages.iter().map(|m| m.sender).collect();
-    assert_eq!(senders, vec![a.id(), b.id()], "the invite and b's rotation");
+    let senders = |f: hubsync::wire::FetchResult| -> Vec<DeviceId> {
+        f.messages.iter().map(|m| m.sender).collect()
+    };
+    let old = reader.fetch(&before, 0, 10).await.unwrap();
+    assert_eq!(senders(old), vec![a.id()], "the invite, on the real hub");
+    let new = reader.fetch(&topic_of(&a, g), 0, 10).await.unwrap();
+    assert_eq!(senders(new), vec![b.id()], "b's rotation");
     agree(&[&a, &b], g).await;
     message_reaches(&a, &[&wb], g, b"no longer alone").await;
     message_reaches(&b, &[&wa], g, b"hello").await;

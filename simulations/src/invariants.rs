@@ -130,7 +130,7 @@ pub struct FinalGroup {
     /// Whether the device thinks it was left behind.
     pub stranded: bool,
     /// The group's topic seed (the commit topic derives from it).
-    pub topic_seed: [u8; 32],
+    pub commit_seed: [u8; 32],
     /// The hubs the group is bound to, as this device's record says.
     pub hubs: Vec<String>,
     /// The head of the device's folded ledger (`None`: it did not fold).
@@ -219,6 +219,12 @@ pub fn event_line(e: &Event) -> String {
             format!("failed {} {kind:?}", &group.to_string()[..8])
         }
         Event::HubStatus { url, .. } => format!("hub {url}"),
+        Event::WelcomeRefused { group, reason } => format!(
+            "welcome refused {} {reason}",
+            group
+                .map(|g| g.to_string()[..8].to_string())
+                .unwrap_or_default()
+        ),
     }
 }
 

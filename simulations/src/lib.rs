@@ -270,7 +270,7 @@ type Answer = oneshot::Sender<Outcome>;
 /// One device's view of a group, for the driver's choices.
 #[derive(Clone, Debug)]
 struct View {
-    topic_seed: [u8; 32],
+    commit_seed: [u8; 32],
     commit_hub: String,
     /// Bound hubs, as the ledger says.
     hubs: Vec<String>,
@@ -297,6 +297,7 @@ enum Cmd {
     /// many were accepted.
     Replay(
         hubsync::wire::TopicId,
+        Option<Box<hubsync::device::topics::TopicWriter>>,
         String,
         usize,
         u64,
@@ -813,7 +814,7 @@ async fn serve(d: Arc<Device>, cmd: Cmd) {
         Cmd::View(g, r) => {
             let view = match (d.manager().record(g), d.ledger_view(g)) {
                 (Ok(rec), Ok(l)) => Some(View {
-                    topic_seed: rec.topic_seed,
+                    commit_seed: rec.commit_seed,
                     commit_hub: rec.commit_hub,
                     hubs: l.hubs,
                 }),
@@ -821,8 +822,8 @@ async fn serve(d: Arc<Device>, cmd: Cmd) {
             };
             let _ = r.send(view);
         }
-        Cmd::Replay(topic, hub, n, pick, r) => {
-            let _ = r.send(replay_old_frames(&d, &topic, &hub, n, pick).await);
+        Cmd::Replay(topic, writer, hub, n, pick, r) => {
+            let _ = r.send(replay_old_frames(&d, &topic, writer.as_deref(), &hub, n, pick).await);
         }
         Cmd::State(r) => {
             let _ = r.send(final_state(&d).await);
@@ -835,6 +836,7 @@ async fn serve(d: Arc<Device>, cmd: Cmd) {
 async fn replay_old_frames(
     d: &Device,
     topic: &hubsync::wire::TopicId,
+    writer: Option<&hubsync::device::topics::TopicWriter>,
     hub: &str,
     n: usize,
     pick: u64,
@@ -854,7 +856,7 @@ async fn replay_old_frames(
             let mut op = pick.to_be_bytes().to_vec();
             op.extend_from_slice(&(k as u64).to_be_bytes());
             op.extend_from_slice(b"replay");
-            let p = hubsync::wire::Publish {
+            let mut p = hubsync::wire::Publish {
                 topic: topic.clone(),
                 publish_id: hubsync::device::frames::publish_id(&op, topic),
                 class: hubsync::wire::RetentionClass::Log,
@@ -862,7 +864,11 @@ async fn replay_old_frames(
                 replay_only: false,
                 retention_secs: None,
                 payload: frame.payload.clone(),
+                writer: None,
             };
+            if let Some(w) = writer {
+                w.sign(&mut p);
+            }
             if let Ok(hubsync::wire::PublishOutcome::Accepted { .. }) = link.publish(p).await {
                 published += 1;
             }
@@ -893,7 +899,7 @@ async fn final_state(d: &Device) -> FinalState {
             commit_cursor: rec.cursor(),
             commit_hub: rec.commit_hub,
             stranded: rec.stranded,
-            topic_seed: rec.topic_seed,
+            commit_seed: rec.commit_seed,
             hubs: rec.hubs,
             ledger_head: d.ledger_view(g).ok().map(|l| l.head),
         });
@@ -1027,6 +1033,7 @@ async fn stranger_publishes(
     key: &ed25519_dalek::SigningKey,
     hub: &str,
     topic: &hubsync::wire::TopicId,
+    writer: Option<&hubsync::device::topics::TopicWriter>,
     frames: &[StrangerFrame],
     nonce: u64,
 ) -> usize {
@@ -1062,7 +1069,7 @@ async fn stranger_publishes(
             let mut op = nonce.to_be_bytes().to_vec();
             op.extend_from_slice(&(k as u64).to_be_bytes());
             op.extend_from_slice(b"stranger");
-            let p = hubsync::wire::Publish {
+            let mut p = hubsync::wire::Publish {
                 topic: topic.clone(),
                 publish_id: hubsync::device::frames::publish_id(&op, topic),
                 class: hubsync::wire::RetentionClass::Log,
@@ -1070,7 +1077,11 @@ async fn stranger_publishes(
                 replay_only: false,
                 retention_secs: None,
                 payload,
+                writer: None,
             };
+            if let Some(w) = writer {
+                w.sign(&mut p);
+            }
             if let Ok(hubsync::wire::PublishOutcome::Accepted { .. }) = c.publish(p).await {
                 n += 1;
             }
@@ -1293,8 +1304,20 @@ async fn drive(cfg: SimConfig, devs: Vec<mpsc::Sender<Cmd>>, world: Arc<World>) 
                         } else {
                             view.commit_hub.clone()
                         };
-                        let topic = hubsync::device::topics::commit_topic(&view.topic_seed);
-                        let n = stranger_publishes(&stranger, &hub, &topic, &frames, nonce).await;
+                        // Half the time the topic's writer key leaked to the
+                        // stranger (or the hub itself injects): the members'
+                        // judgement must hold. Otherwise the hub refuses it.
+                        let writer = hubsync::device::topics::commit_writer(&view.commit_seed);
+                        let leaked = nonce.is_multiple_of(2).then_some(&writer);
+                        let n = stranger_publishes(
+                            &stranger,
+                            &hub,
+                            writer.topic(),
+                            leaked,
+                            &frames,
+                            nonce,
+                        )
+                        .await;
                         out.stranger_frames += n;
                         world.trace(format!(
                             "{} stranger g{gi} on {hub}: {frames:?} -> {n} accepted",
@@ -1323,10 +1346,15 @@ async fn drive(cfg: SimConfig, devs: Vec<mpsc::Sender<Cmd>>, world: Arc<World>) 
                     if let Some(Some(view)) =
                         ask(&devs[m], Duration::from_secs(10), |r| Cmd::View(g, r)).await
                     {
-                        let topic = hubsync::device::topics::commit_topic(&view.topic_seed);
+                        // The removed member cannot compute the topic its
+                        // removal moved the log to; half the time a member
+                        // leaked it with its writer key.
+                        let writer = hubsync::device::topics::commit_writer(&view.commit_seed);
+                        let topic = writer.topic().clone();
+                        let leaked = pick.is_multiple_of(2).then_some(Box::new(writer));
                         let hub = view.commit_hub.clone();
                         let k = ask(&devs[who], Duration::from_secs(20), |r| {
-                            Cmd::Replay(topic, hub.clone(), n, pick, r)
+                            Cmd::Replay(topic, leaked, hub.clone(), n, pick, r)
                         })
                         .await
                         .unwrap_or(0);
@@ -1626,7 +1654,7 @@ async fn commit_heads(finals: &[FinalState], seed: u64) -> BTreeMap<GroupId, Opt
     let mut hubs: BTreeMap<GroupId, (String, [u8; 32])> = BTreeMap::new();
     for f in finals {
         for g in &f.groups {
-            hubs.insert(g.group, (g.commit_hub.clone(), g.topic_seed));
+            hubs.insert(g.group, (g.commit_hub.clone(), g.commit_seed));
         }
     }
     let mut key = [0u8; 32];

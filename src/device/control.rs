@@ -440,9 +440,11 @@ impl GroupPeerManager {
         }
         .sign(me.signing_key());
         let topic = topics::welcome_topic(&joiner);
+        // One id per Welcome (retries reuse the staged publish): positions
+        // repeat, since every roster change starts a new commit topic.
         let mut op = b"welcome".to_vec();
         op.extend_from_slice(&rec.id.0);
-        op.extend_from_slice(&seq.to_be_bytes());
+        op.extend_from_slice(&crate::device::frames::digest(welcome));
         let publish = Publish {
             topic: topic.clone(),
             publish_id: publish_id(&op, &topic),
@@ -451,6 +453,7 @@ impl GroupPeerManager {
             replay_only: false,
             retention_secs: None,
             payload: env.encode(),
+            writer: None,
         };
         for hub in rec.hubs.iter().filter(|h| !super::lane::is_loopback(h)) {
             self.shared.outbox.stage(b, hub, &publish).map_err(|e| {

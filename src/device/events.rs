@@ -110,6 +110,15 @@ pub enum Event {
         /// Why.
         error: CommitError,
     },
+    /// A Welcome addressed to this device was refused (it does not verify,
+    /// or it names a group this device holds and its inviter is not that
+    /// group's admin). Nothing was joined or changed.
+    WelcomeRefused {
+        /// The group the envelope names, when it could be read.
+        group: Option<GroupId>,
+        /// Why.
+        reason: String,
+    },
     /// A hub connection changed status.
     HubStatus {
         /// The hub.

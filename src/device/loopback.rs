@@ -231,6 +231,7 @@ mod tests {
             replay_only: false,
             retention_secs: None,
             payload: payload.to_vec(),
+            writer: None,
         }
     }
 

@@ -128,7 +128,7 @@ impl GroupTopics {
     pub(super) fn of(rec: &GroupRecord) -> Self {
         Self {
             commit_hub: rec.commit_hub.clone(),
-            commit: topics::commit_topic(&rec.topic_seed),
+            commit: topics::commit_topic(&rec.commit_seed),
             app: rec.app_topics.clone(),
         }
     }
@@ -512,6 +512,10 @@ impl GroupPeerManager {
                     Err(e) => {
                         // A refused Welcome will never become acceptable.
                         tracing::warn!(error = %e, "welcome refused");
+                        me.emit(Event::WelcomeRefused {
+                            group: WelcomeEnvelope::open(&d.payload).ok().map(|w| w.group),
+                            reason: e.to_string(),
+                        });
                         link.ack(vec![d.id]).await;
                     }
                 }

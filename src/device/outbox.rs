@@ -1293,6 +1293,7 @@ mod tests {
             replay_only: false,
             retention_secs: None,
             payload: vec![n; 4],
+            writer: None,
         }
     }
 

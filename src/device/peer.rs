@@ -246,8 +246,9 @@ impl GroupPeerManager {
         mut b: WriteBatch,
     ) -> Result<(), DeviceError> {
         if roster {
-            let topic = self.current_app_topic(guard)?;
-            rec.rotate_app_topic(topic);
+            let (app, commit) = self.roster_secrets(guard)?;
+            rec.rotate_app_topic(app);
+            rec.rotate_commit_seed(commit);
         }
         let epoch = guard.read(|g| g.epoch().as_u64())?;
         // The merge (staged in the guard), the record with its new cursor and
@@ -276,13 +277,25 @@ impl GroupPeerManager {
         Ok(())
     }
 
-    /// The app topic of the group's current epoch.
-    pub(super) fn current_app_topic(&self, guard: &mut GroupGuard) -> Result<TopicId, DeviceError> {
+    /// The secrets the group's topics take at a roster change, drawn from
+    /// the current epoch: the app topic's and the commit seed
+    /// ([`topics`]).
+    pub(super) fn roster_secrets(
+        &self,
+        guard: &mut GroupGuard,
+    ) -> Result<([u8; 32], [u8; 32]), DeviceError> {
         let crypto = self.shared.registry.provider().crypto();
-        let secret = guard
-            .read(|g| g.export_secret(crypto, mls::APP_TOPIC_LABEL, &[], 32))?
-            .map_err(|e| DeviceError::Mls(e.to_string()))?;
-        Ok(topics::app_topic(&secret))
+        let mut draw = |label: &str| -> Result<[u8; 32], DeviceError> {
+            let v = guard
+                .read(|g| g.export_secret(crypto, label, &[], 32))?
+                .map_err(|e| DeviceError::Mls(e.to_string()))?;
+            <[u8; 32]>::try_from(v.as_slice())
+                .map_err(|_| DeviceError::Mls("exporter secret is not 32 bytes".into()))
+        };
+        Ok((
+            draw(topics::APP_TOPIC_LABEL)?,
+            draw(topics::COMMIT_SEED_LABEL)?,
+        ))
     }
 
     pub(super) fn members_of(&self, guard: &mut GroupGuard) -> Result<Vec<DeviceId>, DeviceError> {
@@ -359,12 +372,15 @@ impl GroupPeerManager {
         let mut b = WriteBatch::new();
         let events = self.receive_locked(&mut guard, group, payload, &mut b)?;
         let mut forwarded = false;
-        if let (true, Some((from, topic))) = (self.shared.config.forwarding, via) {
+        // Forward only on an app topic the group still keeps: its writer
+        // key is what the other hubs ask for.
+        let forward = via.and_then(|(from, topic)| Some((from, topic, rec.app_writer(topic)?)));
+        if let (true, Some((from, topic, writer))) = (self.shared.config.forwarding, forward) {
             for e in &events {
                 if let Event::MessageReceived { id, .. } = e {
                     // The original sender's publish id, so a hub that already
                     // has the frame answers Duplicate instead of storing it twice.
-                    let publish = crate::wire::Publish {
+                    let mut publish = crate::wire::Publish {
                         topic: topic.clone(),
                         publish_id: super::frames::publish_id(id, topic),
                         class: crate::wire::RetentionClass::Log,
@@ -372,7 +388,9 @@ impl GroupPeerManager {
                         replay_only: false,
                         retention_secs: None,
                         payload: payload.to_vec(),
+                        writer: None,
                     };
+                    writer.sign(&mut publish);
                     for hub in rec.routes().iter().filter(|h| h.as_str() != from) {
                         self.shared
                             .outbox
@@ -634,10 +652,9 @@ impl GroupPeerManager {
                 )
             }
         };
-        let mut cursors = std::collections::BTreeMap::new();
-        if commit_hub == env.commit_hub.trim_end_matches('/') {
-            cursors.insert(commit_hub.clone(), env.commit_seq);
-        }
+        // The joiner's commit topic is the one its own add moved the group
+        // to: nothing was read there yet.
+        let cursors = std::collections::BTreeMap::new();
         // Verified: only now does the group get state on this device.
         let mut guard = self.shared.registry.lock(env.group).await;
         if self.shared.records.group(&env.group)?.is_some() || guard.exists()? {
@@ -645,16 +662,17 @@ impl GroupPeerManager {
             return Ok(false);
         }
         guard.install(group);
-        let topic = self.current_app_topic(&mut guard)?;
+        let (app, commit_seed) = self.roster_secrets(&mut guard)?;
         let rec = GroupRecord {
             id: env.group,
             hubs,
             commit_hub,
             cursors,
-            app_topics: vec![topic],
+            app_topics: vec![topics::app_topic(&app)],
+            app_secrets: vec![app],
             stranded: false,
             poison: 0,
-            topic_seed: ext.topic_seed,
+            commit_seed,
             ledger_complete: complete,
             merged: Vec::new(),
             cursor_stores: std::collections::BTreeMap::new(),
@@ -737,16 +755,17 @@ impl GroupPeerManager {
             .map_err(|e| DeviceError::Mls(e.to_string()))?
         };
         guard.install(group);
-        let topic = self.current_app_topic(&mut guard)?;
+        let (app, commit_seed) = self.roster_secrets(&mut guard)?;
         let rec = GroupRecord {
             id,
             hubs: state.hubs.clone(),
             commit_hub: select_commit_hub(&state),
             cursors: std::collections::BTreeMap::new(),
-            app_topics: vec![topic],
+            app_topics: vec![topics::app_topic(&app)],
+            app_secrets: vec![app],
             stranded: false,
             poison: 0,
-            topic_seed,
+            commit_seed,
             ledger_complete: true,
             merged: Vec::new(),
             cursor_stores: std::collections::BTreeMap::new(),
@@ -788,9 +807,10 @@ impl GroupPeerManager {
         let bytes = out
             .tls_serialize_detached()
             .map_err(|e| DeviceError::Mls(e.to_string()))?;
-        let Some(topic) = rec.app_topics.first().cloned() else {
+        let Some(writer) = rec.app_topics.first().and_then(|t| rec.app_writer(t)) else {
             return Err(DeviceError::Store("group record has no app topic".into()));
         };
+        let topic = writer.topic().clone();
         let epoch = guard.read(|g| g.epoch().as_u64())?;
         let mut b = WriteBatch::new();
         // Our own frame may come back (forwarding); it is already handled.
@@ -800,7 +820,7 @@ impl GroupPeerManager {
         self.shared
             .records
             .mark_message(&mut b, &group, &id, &digest(body));
-        let publish = crate::wire::Publish {
+        let mut publish = crate::wire::Publish {
             topic: topic.clone(),
             publish_id: super::frames::publish_id(&id, &topic),
             class: crate::wire::RetentionClass::Log,
@@ -808,7 +828,9 @@ impl GroupPeerManager {
             replay_only: false,
             retention_secs: None,
             payload: bytes,
+            writer: None,
         };
+        writer.sign(&mut publish);
         for hub in &rec.routes() {
             self.shared
                 .outbox

@@ -4,6 +4,7 @@
 //! store stays readable across versions.
 
 use super::lane::JournalEntry;
+use super::topics;
 use crate::kv::{KvError, KvStore, WriteBatch};
 use crate::wire::TopicId;
 use serde::de::DeserializeOwned;
@@ -57,13 +58,21 @@ pub struct GroupRecord {
     /// App topics, newest first: the current one and a few previous ones,
     /// still read so a message that raced a roster change is not lost.
     pub app_topics: Vec<TopicId>,
+    /// The exporter secrets `app_topics` derive from, in the same order:
+    /// what signs a publish on each ([`topics::app_writer`]).
+    #[serde(default)]
+    pub app_secrets: Vec<[u8; 32]>,
     /// Set on positive evidence that the group moved on without us.
     pub stranded: bool,
     /// Commit-topic frames skipped without being applied.
     pub poison: u64,
-    /// The group's secret topic seed (from its GroupContext extension):
-    /// every non-rotating topic of the group derives from it.
-    pub topic_seed: [u8; 32],
+    /// The secret the group's current commit topic and its writer key
+    /// derive from ([`topics::commit_writer`]): the MLS exporter secret of
+    /// the epoch of the last roster change this device merged (its joining
+    /// or the group's creation counting as one). A roster change moves the
+    /// commit log to a new topic ([`GroupRecord::rotate_commit_seed`]).
+    #[serde(alias = "topic_seed")]
+    pub commit_seed: [u8; 32],
     /// Whether this device holds the group's whole ledger (its recomputed
     /// head equals the authenticated one). A joiner whose snapshot did not
     /// verify has an incomplete ledger until a gather repairs it.
@@ -99,6 +108,10 @@ pub struct MergedCommit {
     /// The frame itself, so a hub that lost it can be given it back.
     #[serde(default)]
     pub payload: Vec<u8>,
+    /// The commit seed of the topic it was on (the commit's own roster
+    /// change moves the group on only after it).
+    #[serde(default)]
+    pub commit_seed: Option<[u8; 32]>,
     /// The Welcome this device posted for the member the commit added, so
     /// a hub that loses it can be given it again.
     #[serde(default)]
@@ -118,15 +131,49 @@ pub const PAYLOADS_KEPT: usize = 4;
 pub const APP_TOPICS_KEPT: usize = super::mls::MAX_PAST_EPOCHS + 1;
 
 impl GroupRecord {
-    /// Make `topic` the current app topic, keeping a few previous ones.
-    /// Answers whether it was new.
-    pub fn rotate_app_topic(&mut self, topic: TopicId) -> bool {
+    /// Make the topic of the exporter secret `secret` the current app
+    /// topic, keeping a few previous ones. Answers whether it was new.
+    pub fn rotate_app_topic(&mut self, secret: [u8; 32]) -> bool {
+        let topic = topics::app_topic(&secret);
         if self.app_topics.first() == Some(&topic) {
             return false;
         }
-        self.app_topics.retain(|t| t != &topic);
+        // Keep the two lists paired even if an older record had no secrets.
+        self.app_secrets.resize(self.app_topics.len(), [0; 32]);
+        if let Some(i) = self.app_topics.iter().position(|t| t == &topic) {
+            self.app_topics.remove(i);
+            self.app_secrets.remove(i);
+        }
         self.app_topics.insert(0, topic);
+        self.app_secrets.insert(0, secret);
         self.app_topics.truncate(APP_TOPICS_KEPT);
+        self.app_secrets.truncate(APP_TOPICS_KEPT);
+        true
+    }
+
+    /// The writer of `topic` if it is one of the group's kept app topics.
+    pub fn app_writer(&self, topic: &TopicId) -> Option<topics::TopicWriter> {
+        let i = self.app_topics.iter().position(|t| t == topic)?;
+        let w = topics::app_writer(self.app_secrets.get(i)?);
+        (w.topic() == topic).then_some(w)
+    }
+
+    /// The current commit topic's writer.
+    pub fn commit_writer(&self) -> topics::TopicWriter {
+        topics::commit_writer(&self.commit_seed)
+    }
+
+    /// A roster change drew a new commit seed: the commit log moves to the
+    /// new topic, where nothing was read yet on any hub. Answers whether
+    /// it moved.
+    pub fn rotate_commit_seed(&mut self, seed: [u8; 32]) -> bool {
+        if self.commit_seed == seed {
+            return false;
+        }
+        self.commit_seed = seed;
+        self.cursors.clear();
+        self.cursor_stores.clear();
+        self.cursor_digests.clear();
         true
     }
 

@@ -323,6 +323,11 @@ impl HubCore {
         if owner.is_some() && p.class == RetentionClass::Log {
             return Err(self.not_authorized());
         }
+        // A writer-bound topic takes only what its writer key signed. The
+        // name binds the key, so this needs no state and no lock.
+        if p.check_writer().is_err() {
+            return Err(self.not_authorized());
+        }
         let retention_ms = self.retention_ms(p.retention_secs)?;
         let digest = content_digest(p.class, &p.payload);
 

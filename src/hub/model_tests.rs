@@ -280,6 +280,7 @@ fn run(ops: Vec<Op>) {
                                 replay_only: replay,
                                 retention_secs: retention,
                                 payload,
+                                writer: None,
                             },
                         )
                         .map(|d| d.value.outcome);

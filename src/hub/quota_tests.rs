@@ -130,6 +130,7 @@ fn run(ops: Vec<Op>) {
                             replay_only: false,
                             retention_secs: Some(if short { 1 } else { 3600 }),
                             payload: vec![7; len as usize],
+                            writer: None,
                         },
                     );
                 }
@@ -205,6 +206,7 @@ fn a_full_queue_drops_new_deliveries_until_acked() {
                         replay_only: false,
                         retention_secs: None,
                         payload: vec![1],
+                        writer: None,
                     },
                 )
                 .unwrap();

@@ -113,6 +113,7 @@ pub fn log(topic: &str, id: u64, expected: ExpectedHead, payload: &[u8]) -> Publ
         replay_only: false,
         retention_secs: None,
         payload: payload.to_vec(),
+        writer: None,
     }
 }
 

@@ -216,7 +216,7 @@ impl GroupPeerManager {
                 return Err(e);
             }
         };
-        let topic = topics::commit_topic(&rec.topic_seed);
+        let topic = topics::commit_topic(&rec.commit_seed);
         let cursor = rec.cursor();
         let entry = JournalEntry {
             op: plan.op,
@@ -238,6 +238,7 @@ impl GroupPeerManager {
             entries: built.entries,
             accepted: None,
             redriven: plan.redriven,
+            commit_seed: Some(rec.commit_seed),
         };
         let mut b = WriteBatch::new();
         self.shared.records.put_journal(&mut b, &group, &entry);
@@ -253,15 +254,18 @@ impl GroupPeerManager {
         replay: bool,
     ) -> Result<(Answer, Option<crate::device::link::LinkError>), CommitError> {
         let rec = self.record(group)?;
-        let publish = Publish {
-            topic: topics::commit_topic(&rec.topic_seed),
+        let writer = topics::commit_writer(&entry.commit_seed.unwrap_or(rec.commit_seed));
+        let mut publish = Publish {
+            topic: writer.topic().clone(),
             publish_id: entry.publish_id,
             class: RetentionClass::Log,
             expected_head: entry.expected_head,
             replay_only: replay,
             retention_secs: None,
             payload: entry.payload.clone(),
+            writer: None,
         };
+        writer.sign(&mut publish);
         let link = self.hub_link(&entry.hub);
         Ok(match link.publish(publish).await {
             Ok(PublishOutcome::Accepted { seq, .. } | PublishOutcome::Duplicate { seq }) => {

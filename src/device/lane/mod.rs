@@ -124,6 +124,10 @@ pub struct JournalEntry {
     /// This commit is the one re-drive of a lost ledger commit: if it is
     /// lost too, it is reported and not re-driven again.
     pub redriven: bool,
+    /// The commit seed of the topic it is published on: the group's when
+    /// it was built (a journal from before this field: the record's).
+    #[serde(default)]
+    pub commit_seed: Option<[u8; 32]>,
 }
 
 /// Why a commit did not land. Sources are kept typed; [`is_transient`]

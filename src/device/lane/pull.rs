@@ -210,7 +210,7 @@ impl GroupPeerManager {
             let hub = seen.commit_hub.clone();
             let cursor = seen.cursor();
             let link = self.hub_link(&hub);
-            let topic = topics::commit_topic(&seen.topic_seed);
+            let topic = topics::commit_topic(&seen.commit_seed);
             // Read from the frame at our cursor when we know its digest: the
             // hub must still hold that very frame there.
             let verify = match seen.cursor_digests.get(&hub) {
@@ -287,11 +287,8 @@ impl GroupPeerManager {
                 return Ok(Pulled::Stranded);
             }
             if f.messages.is_empty() {
-                let lost_here = seen
-                    .merged
-                    .iter()
-                    .any(|k| k.hub == hub && k.seq.is_none() && !k.payload.is_empty());
-                if lost_here && self.heal(group, &hub, &link, &topic, f.head).await? {
+                let lost_here = seen.merged.iter().any(|k| is_lost(k, &hub));
+                if lost_here && self.heal(group, &hub, &link, f.head).await? {
                     continue;
                 }
                 return Ok(Pulled::CaughtUp);
@@ -305,10 +302,20 @@ impl GroupPeerManager {
             }
             let mut guard = self.shared.registry.lock(group).await;
             let mut rec = self.record(group)?;
-            if rec.commit_hub != hub || rec.cursor() != cursor {
+            if rec.commit_hub != hub
+                || rec.cursor() != cursor
+                || rec.commit_seed != seen.commit_seed
+            {
                 continue;
             }
+            let seed = rec.commit_seed;
             for m in &f.messages {
+                if rec.commit_seed != seed {
+                    // A roster change moved the log to a new topic: what
+                    // follows on the old one lost the race for that epoch
+                    // or is a stranger's; the loop reads the new topic.
+                    break;
+                }
                 match self.apply_frame(&mut guard, &mut rec, &hub, m).await? {
                     Applied::Next => {}
                     Applied::HubChanged => break,
@@ -330,73 +337,120 @@ impl GroupPeerManager {
     }
 
     /// Give a rewound hub back the commits this device merged that its log
-    /// lost, in epoch order, each under the compare-and-set and the publish
-    /// id its committer used, so members that had not read them before the
-    /// rewind still can, and nobody builds another commit at their epoch.
-    /// Several members healing at once is harmless: the same frame under
-    /// the same id answers `duplicate`. A different commit already at one
-    /// of those positions means the group went the other way: the next
-    /// pull judges it (a fork this device lost). Answers whether anything
-    /// was published.
+    /// lost, in epoch order, each on the topic it was on, under the
+    /// compare-and-set and the publish id its committer used, so members
+    /// that had not read them before the rewind still can, and nobody
+    /// builds another commit at their epoch. Several members healing at
+    /// once is harmless: the same frame under the same id answers
+    /// `duplicate`. A different commit already at one of those positions
+    /// means the group went the other way: on the current topic the next
+    /// pull judges it (a fork this device lost); on an older topic (one a
+    /// roster change left) this device gives up on it. `head` is the
+    /// current topic's. Answers whether anything was published.
     async fn heal(
         &self,
         group: GroupId,
         hub: &str,
         link: &HubLink,
-        topic: &TopicId,
         head: Option<u64>,
     ) -> Result<bool, PullError> {
         let rec = self.record(group)?;
-        // Only what comes after everything the log still holds of ours.
-        let kept = rec
-            .merged
-            .iter()
-            .filter(|k| k.hub == hub && k.seq.is_some())
-            .map(|k| k.epoch)
-            .max();
-        let mut lost: Vec<&MergedCommit> = rec
-            .merged
-            .iter()
-            .filter(|k| {
-                k.hub == hub
-                    && k.seq.is_none()
-                    && !k.payload.is_empty()
-                    && kept.is_none_or(|e| k.epoch > e)
-            })
-            .collect();
-        lost.sort_by_key(|k| k.epoch);
-        let mut head = head;
-        let mut healed = false;
-        for k in lost {
-            let publish = crate::wire::Publish {
-                topic: topic.clone(),
-                publish_id: crate::device::frames::publish_id(&k.digest, topic),
-                class: crate::wire::RetentionClass::Log,
-                expected_head: match head {
-                    Some(h) => crate::wire::ExpectedHead::Seq(h),
-                    None => crate::wire::ExpectedHead::Empty,
-                },
-                replay_only: false,
-                retention_secs: None,
-                payload: k.payload.clone(),
-            };
-            let outcome = link
-                .publish(publish)
-                .await
-                .map_err(|source| PullError::Hub {
-                    url: hub.to_string(),
-                    source,
-                })?;
-            match outcome {
-                crate::wire::PublishOutcome::Accepted { seq, .. }
-                | crate::wire::PublishOutcome::Duplicate { seq } => {
-                    tracing::info!(%group, hub, epoch = k.epoch, seq, "gave a rewound hub back a commit it lost");
-                    head = Some(seq);
-                    healed = true;
+        let mut seeds: Vec<[u8; 32]> = Vec::new();
+        for k in rec.merged.iter().filter(|k| is_lost(k, hub)) {
+            if let Some(s) = k.commit_seed {
+                if !seeds.contains(&s) {
+                    seeds.push(s);
                 }
-                crate::wire::PublishOutcome::HeadMismatch { .. }
-                | crate::wire::PublishOutcome::HistoryMissing => break,
             }
+        }
+        let mut healed = false;
+        // Positions learned on older topics (the pull never reads them
+        // again) and frames given up there.
+        let mut placed: Vec<(u64, Option<u64>)> = Vec::new();
+        for seed in seeds {
+            let writer = topics::commit_writer(&seed);
+            let topic = writer.topic();
+            let current = seed == rec.commit_seed;
+            let on_topic = |k: &&MergedCommit| k.hub == hub && k.commit_seed == Some(seed);
+            // Only what comes after everything the log still holds of ours.
+            let kept = rec
+                .merged
+                .iter()
+                .filter(on_topic)
+                .filter(|k| k.seq.is_some())
+                .map(|k| k.epoch)
+                .max();
+            let mut lost: Vec<&MergedCommit> = rec
+                .merged
+                .iter()
+                .filter(on_topic)
+                .filter(|k| is_lost(k, hub) && kept.is_none_or(|e| k.epoch > e))
+                .collect();
+            lost.sort_by_key(|k| k.epoch);
+            let mut head = if current {
+                head
+            } else {
+                link.fetch(topic, 0, 1)
+                    .await
+                    .map_err(|source| PullError::Hub {
+                        url: hub.to_string(),
+                        source,
+                    })?
+                    .head
+            };
+            for k in lost {
+                let mut publish = crate::wire::Publish {
+                    topic: topic.clone(),
+                    publish_id: crate::device::frames::publish_id(&k.digest, topic),
+                    class: crate::wire::RetentionClass::Log,
+                    expected_head: match head {
+                        Some(h) => crate::wire::ExpectedHead::Seq(h),
+                        None => crate::wire::ExpectedHead::Empty,
+                    },
+                    replay_only: false,
+                    retention_secs: None,
+                    payload: k.payload.clone(),
+                    writer: None,
+                };
+                writer.sign(&mut publish);
+                let outcome = link
+                    .publish(publish)
+                    .await
+                    .map_err(|source| PullError::Hub {
+                        url: hub.to_string(),
+                        source,
+                    })?;
+                match outcome {
+                    crate::wire::PublishOutcome::Accepted { seq, .. }
+                    | crate::wire::PublishOutcome::Duplicate { seq } => {
+                        tracing::info!(%group, hub, epoch = k.epoch, seq, "gave a rewound hub back a commit it lost");
+                        head = Some(seq);
+                        healed = true;
+                        if !current {
+                            placed.push((k.epoch, Some(seq)));
+                        }
+                    }
+                    crate::wire::PublishOutcome::HeadMismatch { .. }
+                    | crate::wire::PublishOutcome::HistoryMissing => {
+                        if !current {
+                            placed.push((k.epoch, None));
+                        }
+                        break;
+                    }
+                }
+            }
+        }
+        if !placed.is_empty() {
+            let mut guard = self.shared.registry.lock(group).await;
+            let mut rec = self.record(group)?;
+            for k in rec.merged.iter_mut().filter(|k| k.hub == hub) {
+                match placed.iter().find(|(e, _)| *e == k.epoch) {
+                    Some((_, Some(seq))) => k.seq = Some(*seq),
+                    Some((_, None)) => k.payload = Vec::new(),
+                    None => {}
+                }
+            }
+            self.save_record(&mut guard, &rec)?;
         }
         Ok(healed)
     }
@@ -824,6 +878,7 @@ impl GroupPeerManager {
             hub: l.hub.to_string(),
             seq: Some(l.seq),
             payload: l.payload,
+            commit_seed: Some(rec.commit_seed),
             welcome: l.welcome,
         });
         let ledger_changed = !l.entries.is_empty() && rec.ledger_complete;
@@ -990,4 +1045,10 @@ struct Landing<'a> {
     folded: Option<LedgerState>,
     entries: Vec<Vec<u8>>,
     roster: bool,
+}
+
+/// A commit this device merged that `hub` no longer holds, with its frame
+/// still kept to give back.
+fn is_lost(k: &MergedCommit, hub: &str) -> bool {
+    k.hub == hub && k.seq.is_none() && !k.payload.is_empty() && k.commit_seed.is_some()
 }
