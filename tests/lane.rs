@@ -988,6 +988,56 @@ async fn a_hub_restored_from_an_older_copy_is_noticed_and_the_group_carries_on()
     assert_eq!(wa.stranded() + wb.stranded(), 0);
 }
 
+/// The group moved its commits to another hub, and the old commit hub
+/// was then restored from a copy older than the move: the member that was
+/// away still reads the old hub (it never saw the move) and would wait
+/// there forever, since the members that moved never read that hub again.
+/// A member that merged the move checks its former logs, finds the move
+/// gone, gives it back, and the member that was away follows the group to
+/// the new hub.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_former_commit_hub_restored_from_before_the_move_is_given_the_move_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let h0 = hub_at(dir.path(), "127.0.0.1:0").await;
+    let addr = h0.addr().to_string();
+    let h1 = TestHub::start_with(unthrottled).await.unwrap();
+    let u = vec![h0.url().to_string(), h1.url().to_string()];
+    let a = TestDevice::open(&u).await.unwrap();
+    let mut b = TestDevice::open(&u).await.unwrap();
+    let (wa, wb) = (Watch::new(&a), Watch::new(&b));
+    let g = group_of(&a, &[(&b, &wb)], &u).await;
+    agree(&[&a, &b], g).await;
+    assert_eq!(a.manager().record(g).unwrap().commit_hub, u[0]);
+
+    // A copy of h0 from before the move.
+    h0.stop().await;
+    let copy = tempfile::tempdir().unwrap();
+    copy_dir(dir.path(), copy.path());
+    let h0 = hub_at(dir.path(), &addr).await;
+
+    b.close().await;
+    a.set_commit_hub(g, &u[1]).await.unwrap();
+    a.rotate_keys(g).await.unwrap();
+    assert_eq!(a.manager().record(g).unwrap().commit_hub, u[1]);
+    h0.stop().await;
+    let _h0 = hub_at(copy.path(), &addr).await;
+
+    b.reopen().await.unwrap();
+    let wb = Watch::new(&b);
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while b.manager().record(g).unwrap().commit_hub != u[1] {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "b never learned of the move"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    agree(&[&a, &b], g).await;
+    assert!(wa.rewound(&u[0]) >= 1, "a noticed that h0 lost the move");
+    carry_on(&b, &[&a, &b], &[&wa], g, b"b on the new hub").await;
+    assert_eq!(wa.stranded() + wb.stranded(), 0);
+}
+
 /// A member offline while its hub lost its store, during which the group
 /// committed as many times as that member had read: its cursor is no
 /// longer above the new head, so only the hub's new store identity can

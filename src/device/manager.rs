@@ -176,6 +176,8 @@ pub(super) struct Shared {
     pub hlc: HlcClock,
     /// One commit run at a time per group (apart from the group lock).
     pub lanes: Mutex<HashMap<GroupId, Arc<tokio::sync::Mutex<()>>>>,
+    /// When each group's former commit logs were last checked (ms).
+    pub former_checked: Mutex<HashMap<GroupId, u64>>,
     /// The URL of this device's loopback hub, which the sentinel
     /// [`LOOPBACK_HUB`] stands for.
     pub loopback_url: String,
@@ -220,7 +222,7 @@ pub struct Faults {
     pub panic_on_receive: std::sync::atomic::AtomicBool,
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
@@ -312,6 +314,7 @@ impl GroupPeerManager {
                 clock,
                 hlc: HlcClock::new(),
                 lanes: Mutex::new(HashMap::new()),
+                former_checked: Mutex::new(HashMap::new()),
                 loopback_url,
                 identity,
                 registry,

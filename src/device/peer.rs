@@ -79,10 +79,12 @@ impl GroupPeerManager {
             if is_commit_hub {
                 wanted.push(t.commit.clone());
             }
+            let mut new_commit_topic = false;
             for topic in &wanted {
                 if subs.contains_key(topic) {
                     continue;
                 }
+                new_commit_topic |= *topic == t.commit;
                 let mut r = link.subscribe(topic.clone(), None);
                 let fwd = tx.clone();
                 let tp = topic.clone();
@@ -124,8 +126,15 @@ impl GroupPeerManager {
                 }
                 link.unsubscribe(&topic).await;
             }
-            if is_commit_hub && !pulled_once {
+            if is_commit_hub && (!pulled_once || new_commit_topic) {
                 pulled_once = true;
+                // A commit topic new to this peer (the first, or the one a
+                // roster change moved the log to): once the hub has the
+                // subscription, a commit published there reaches us as a
+                // push, and this pull reads what came before it.
+                if let Err(e) = link.flush_subscriptions().await {
+                    tracing::debug!(%group, error = %e, "subscriptions not yet at the hub; the pull below and the next tick cover it");
+                }
                 if let Err(e) = self.pull(group).await {
                     tracing::debug!(%group, error = %e, "initial pull failed; retried on the next tick");
                 }

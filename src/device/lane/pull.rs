@@ -34,6 +34,10 @@ const HLC_MAX_AHEAD_MS: u64 = 60_000;
 /// Frames fetched per page.
 const PAGE: u32 = 100;
 
+/// How often a caught-up pull checks the group's former commit logs
+/// (`check_former_logs`).
+const FORMER_CHECK_MS: u64 = 10_000;
+
 /// Where a pull ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Pulled {
@@ -291,6 +295,13 @@ impl GroupPeerManager {
                 if lost_here && self.heal(group, &hub, &link, f.head).await? {
                     continue;
                 }
+                if !from_lane {
+                    if let Err(e) = self.check_former_logs(group).await {
+                        // Checked again at the next caught-up pull after
+                        // the interval; the pull itself succeeded.
+                        tracing::debug!(%group, error = %e, "checking former commit logs failed");
+                    }
+                }
                 return Ok(Pulled::CaughtUp);
             }
             // Read the current epoch's messages before moving on: an epoch
@@ -370,7 +381,8 @@ impl GroupPeerManager {
         for seed in seeds {
             let writer = topics::commit_writer(&seed);
             let topic = writer.topic();
-            let current = seed == rec.commit_seed;
+            // The log the pull reads: its head is the caller's.
+            let current = hub == rec.commit_hub && seed == rec.commit_seed;
             let on_topic = |k: &&MergedCommit| k.hub == hub && k.commit_seed == Some(seed);
             // Only what comes after everything the log still holds of ours.
             let kept = rec
@@ -424,7 +436,8 @@ impl GroupPeerManager {
                     crate::wire::PublishOutcome::Accepted { seq, .. }
                     | crate::wire::PublishOutcome::Duplicate { seq } => {
                         tracing::info!(%group, hub, epoch = k.epoch, seq, "gave a rewound hub back a commit it lost");
-                        head = Some(seq);
+                        // A duplicate may sit below frames others wrote since.
+                        head = head.max(Some(seq));
                         healed = true;
                         if !current {
                             placed.push((k.epoch, Some(seq)));
@@ -433,6 +446,14 @@ impl GroupPeerManager {
                     crate::wire::PublishOutcome::HeadMismatch { .. }
                     | crate::wire::PublishOutcome::HistoryMissing => {
                         if !current {
+                            // No later pull reads this log to judge what
+                            // took the place: judge it here.
+                            if self.lost_fork_on(group, link, topic, k).await? {
+                                let mut guard = self.shared.registry.lock(group).await;
+                                let mut rec = self.record(group)?;
+                                self.strand(&mut guard, &mut rec)?;
+                                return Ok(healed);
+                            }
                             placed.push((k.epoch, None));
                         }
                         break;
@@ -453,6 +474,133 @@ impl GroupPeerManager {
             self.save_record(&mut guard, &rec)?;
         }
         Ok(healed)
+    }
+
+    /// Whether a member's different commit holds `ours`'s epoch on `topic`
+    /// (a log the pull no longer reads): the group went the other way
+    /// there while the hub had lost ours, so ours lost that epoch.
+    async fn lost_fork_on(
+        &self,
+        group: GroupId,
+        link: &HubLink,
+        topic: &TopicId,
+        ours: &MergedCommit,
+    ) -> Result<bool, PullError> {
+        let f = link
+            .fetch(topic, 0, PAGE)
+            .await
+            .map_err(|source| PullError::Hub {
+                url: ours.hub.clone(),
+                source,
+            })?;
+        let members = {
+            let mut guard = self.shared.registry.lock(group).await;
+            self.member_set(&mut guard)?
+        };
+        for m in &f.messages {
+            if digest(&m.payload) == ours.digest {
+                return Ok(false);
+            }
+            let Some(pm) = protocol_message(&m.payload) else {
+                continue;
+            };
+            if pm.group_id().as_slice() == group.0
+                && pm.epoch().as_u64() == ours.epoch
+                && members.contains(&m.sender)
+            {
+                tracing::warn!(%group, hub = ours.hub, epoch = ours.epoch, seq = m.seq, "a rewound log holds another member's commit where ours was: ours lost");
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
+    /// The logs this device committed on before the current one: a former
+    /// commit hub (the group moved its commits away) or a former commit
+    /// topic (a roster change moved the log). A member that has not read
+    /// the commit that moved the group still reads there and learns of the
+    /// move from that log only, but the pull never reads it again, so a
+    /// rewind there would go unnoticed. At most every
+    /// [`FORMER_CHECK_MS`], check that each such log still holds the last
+    /// commit this device merged on it (while its frame is kept); one that
+    /// lost it is given back what it lost ([`Self::heal`]), or, if a
+    /// member's other commit took that epoch there, this device lost it
+    /// and is stranded. Only over links that are up.
+    async fn check_former_logs(&self, group: GroupId) -> Result<(), PullError> {
+        let now = self.shared.clock.now_ms();
+        {
+            let mut checked = crate::device::manager::lock(&self.shared.former_checked);
+            match checked.get(&group) {
+                Some(t) if now < t.saturating_add(FORMER_CHECK_MS) => return Ok(()),
+                _ => {
+                    checked.insert(group, now);
+                }
+            }
+        }
+        let rec = self.record(group)?;
+        if rec.stranded {
+            return Ok(());
+        }
+        let mut last: Vec<&MergedCommit> = Vec::new();
+        for k in rec.merged.iter().filter(|k| {
+            k.hub != LOOPBACK_HUB
+                && !k.payload.is_empty()
+                && k.commit_seed.is_some()
+                && !(k.hub == rec.commit_hub && k.commit_seed == Some(rec.commit_seed))
+        }) {
+            match last
+                .iter_mut()
+                .find(|f| f.hub == k.hub && f.commit_seed == k.commit_seed)
+            {
+                Some(f) if f.epoch >= k.epoch => {}
+                Some(f) => *f = k,
+                None => last.push(k),
+            }
+        }
+        for k in last {
+            let (Some(seed), Some(seq)) = (k.commit_seed, k.seq) else {
+                continue;
+            };
+            let link = self.hub_link(&k.hub);
+            if !link.is_connected() {
+                continue;
+            }
+            let topic = topics::commit_topic(&seed);
+            let f = link
+                .fetch(&topic, seq.saturating_sub(1), 1)
+                .await
+                .map_err(|source| PullError::Hub {
+                    url: k.hub.clone(),
+                    source,
+                })?;
+            let held = match f.messages.first() {
+                Some(m) if m.seq == seq => digest(&m.payload) == k.digest,
+                // Trimmed away: no evidence either way.
+                _ => f.oldest.is_some_and(|o| o > seq),
+            };
+            if held {
+                continue;
+            }
+            if k.hub != rec.commit_hub {
+                // That hub lost or restored its store.
+                self.rewound(group, &k.hub).await?;
+            } else {
+                // The current hub's own rewind is the pull's to notice;
+                // here only that older log's positions are forgotten.
+                let mut guard = self.shared.registry.lock(group).await;
+                let mut now = self.record(group)?;
+                for m in now
+                    .merged
+                    .iter_mut()
+                    .filter(|m| m.hub == k.hub && m.commit_seed == Some(seed))
+                {
+                    m.seq = None;
+                }
+                self.save_record(&mut guard, &now)?;
+            }
+            self.heal(group, &k.hub, &link, None).await?;
+        }
+        Ok(())
     }
 
     /// Record which store of `hub` the group's cursor there is read from.
@@ -522,11 +670,7 @@ impl GroupPeerManager {
         let ours = guard.read(|g| g.epoch().as_u64())?;
         let members = self.member_set(guard)?;
         let frame = CommitFrame::parse(&m.payload);
-        let pm = frame.as_ref().and_then(|f| {
-            MlsMessageIn::tls_deserialize_exact(f.mls)
-                .ok()
-                .and_then(|msg| msg.try_into_protocol_message().ok())
-        });
+        let pm = protocol_message(&m.payload);
         let d = digest(&m.payload);
         let epoch = pm.as_ref().map(|p| p.epoch().as_u64());
         let facts = Facts {
@@ -1045,6 +1189,16 @@ struct Landing<'a> {
     folded: Option<LedgerState>,
     entries: Vec<Vec<u8>>,
     roster: bool,
+}
+
+/// The MLS protocol message a commit-topic frame carries, if it carries
+/// one.
+fn protocol_message(payload: &[u8]) -> Option<ProtocolMessage> {
+    let frame = CommitFrame::parse(payload)?;
+    MlsMessageIn::tls_deserialize_exact(frame.mls)
+        .ok()?
+        .try_into_protocol_message()
+        .ok()
 }
 
 /// A commit this device merged that `hub` no longer holds, with its frame
