@@ -581,23 +581,10 @@ impl GroupPeerManager {
             if held {
                 continue;
             }
-            if k.hub != rec.commit_hub {
-                // That hub lost or restored its store.
-                self.rewound(group, &k.hub).await?;
-            } else {
-                // The current hub's own rewind is the pull's to notice;
-                // here only that older log's positions are forgotten.
-                let mut guard = self.shared.registry.lock(group).await;
-                let mut now = self.record(group)?;
-                for m in now
-                    .merged
-                    .iter_mut()
-                    .filter(|m| m.hub == k.hub && m.commit_seed == Some(seed))
-                {
-                    m.seq = None;
-                }
-                self.save_record(&mut guard, &now)?;
-            }
+            // That hub lost or restored its store: its app logs may have
+            // lost what this device read there too, so it is read again
+            // (the current commit log included, which costs a re-read).
+            self.rewound(group, &k.hub).await?;
             self.heal(group, &k.hub, &link, None).await?;
         }
         Ok(())
