@@ -931,6 +931,106 @@ async fn a_welcome_with_a_held_group_id_never_replaces_the_group() {
     assert_eq!(wa.stranded() + wv.stranded() + wb.stranded(), 0);
 }
 
+/// Every leaf of a Welcome's tree must be its device (DESIGN.md section 9;
+/// `join` in peer.rs checks the whole tree in an overlay before anything
+/// is kept). The attacker M builds a group of its own in which one leaf
+/// names device B but carries a key only the attacker holds (a package it
+/// signed itself, which openmls accepts: the leaf's signature is valid,
+/// its credential just lies), adds the victim V with one of V's real key packages in the same
+/// commit, and sends V the Welcome in an envelope M signs. V refuses it
+/// with a `WelcomeRefused` event naming the group, and holds no state for
+/// it; V's real group goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_welcome_whose_tree_holds_a_leaf_that_is_not_its_device_is_refused() {
+    let hub = hub().await;
+    let u = vec![hub.url().to_string()];
+    let a = TestDevice::open(&u).await.unwrap();
+    let (v, kv) = device_with_store(&u).await;
+    let b = TestDevice::open(&u).await.unwrap();
+    let (wa, wv) = (Watch::new(&a), Watch::new(&v));
+    let g = group_of(&a, &[(&v, &wv)], &u).await;
+    agree(&[&a, &v], g).await;
+
+    let m = Raw::connect(&hub, 9301).await;
+    let p = &m.provider;
+    let (bytes, _) = m.client.claim_key_package(v.id()).await.unwrap();
+    let real = KeyPackageIn::tls_deserialize_exact(bytes.as_slice())
+        .unwrap()
+        .validate(p.crypto(), ProtocolVersion::Mls10)
+        .unwrap();
+    // B's name on a key only the attacker holds.
+    let x_key = signing_key(9302);
+    let forged_bytes = m.key_package(credential(b.id(), &id_of(&x_key).0), &signer_of(&x_key));
+    let forged = KeyPackageIn::tls_deserialize_exact(forged_bytes.as_slice())
+        .unwrap()
+        .validate(p.crypto(), ProtocolVersion::Mls10)
+        .unwrap();
+    let z = GroupId(rand::random());
+    let ext = GroupExt {
+        ledger_head: rand::random(),
+        topic_seed: rand::random(),
+    };
+    let mut fake = MlsGroup::new_with_group_id(
+        p,
+        &m.signer,
+        &create_config(ext).unwrap(),
+        openmls::group::GroupId::from_slice(&z.0),
+        m.honest(),
+    )
+    .unwrap();
+    let bundle = fake
+        .commit_builder()
+        .propose_adds([forged, real])
+        .load_psks(p.storage())
+        .unwrap()
+        .build(p.rand(), p.crypto(), &m.signer, |_| true)
+        .unwrap()
+        .stage_commit(p)
+        .unwrap();
+    let welcome = bundle
+        .to_welcome_msg()
+        .expect("an add has a Welcome")
+        .tls_serialize_detached()
+        .unwrap();
+    fake.merge_pending_commit(p).unwrap();
+    let env = WelcomeEnvelope {
+        group: z,
+        hubs: vec![hub.url().to_string()],
+        commit_hub: hub.url().to_string(),
+        commit_seq: 0,
+        welcome,
+        ledger: vec![0xde; 48],
+        inviter: m.id(),
+        signature: Vec::new(),
+    }
+    .sign(&m.key);
+    m.client
+        .publish(mailbox_publish(&welcome_topic(&v.id()), env.encode()))
+        .await
+        .unwrap();
+
+    wv.until(
+        "the Welcome refused",
+        |e| matches!(e, Event::WelcomeRefused { group: Some(x), .. } if *x == z),
+    )
+    .await;
+    let reason = wv
+        .snapshot()
+        .into_iter()
+        .find_map(|e| match e {
+            Event::WelcomeRefused { reason, .. } => Some(reason),
+            _ => None,
+        })
+        .unwrap();
+    assert!(reason.contains("not its device"), "refused for: {reason}");
+    let records = Records::new(kv.clone());
+    assert!(records.group(&z).unwrap().is_none(), "no record");
+    assert!(records.pending_welcome(&z).unwrap().is_none());
+    assert_eq!(wv.joined(z), 0);
+    assert_eq!(v.groups().unwrap(), vec![g]);
+    carry_on(&v, &[&a, &v], &[&wa], g, b"v goes on").await;
+}
+
 /// The same same-id Welcome, sent when the victim V holds a real re-invite
 /// aside: the admin removed V and invited it again while V had not yet
 /// read its removal (here: V's pulls are held with the `no_pull` test
