@@ -236,3 +236,31 @@ fn hub_rewind_workload_erased_commit() {
 fn hub_rewind_workload_message_after_rewind_lost() {
     holds_with_every_fault(121);
 }
+
+/// The commit that moved g0's commit hub was lost by the *old* commit
+/// hub's restore from an older copy; a member still reading the old hub
+/// never learned of the move, and the members that moved never read that
+/// hub again. Now each member checks its former logs and gives back what
+/// one lost (`check_former_logs` in lane/pull.rs).
+#[test]
+fn hub_rewind_former_commit_hub_lost_the_move() {
+    holds_with_every_fault(80);
+}
+
+/// A joiner's peer subscribed the commit topic its add moved the log to
+/// only after the next commit there: no push came, and nothing pulled
+/// until the periodic tick, by when a rewind had taken that commit. Now a
+/// peer pulls once its new commit topic's subscription reaches the hub.
+#[test]
+fn hub_rewind_new_commit_topic_read_after_subscribing() {
+    holds_with_every_fault(52);
+}
+
+/// A former log found short on the commit hub was healed without being
+/// called a rewind, so the app cursors read there before stayed, and a
+/// message re-published on the rewound app log sat below one member's
+/// cursor, never read. Now a former log found short is a rewound hub.
+#[test]
+fn hub_rewind_former_log_short_rereads_the_app_logs() {
+    holds_with_every_fault(22);
+}
