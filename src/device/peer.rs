@@ -380,36 +380,12 @@ impl GroupPeerManager {
         };
         let mut b = WriteBatch::new();
         let events = self.receive_locked(&mut guard, group, payload, &mut b)?;
-        let mut forwarded = false;
-        // Forward only on an app topic the group still keeps: its writer
-        // key is what the other hubs ask for.
-        let forward = via.and_then(|(from, topic)| Some((from, topic, rec.app_writer(topic)?)));
-        if let (true, Some((from, topic, writer))) = (self.shared.config.forwarding, forward) {
-            for e in &events {
-                if let Event::MessageReceived { id, .. } = e {
-                    // The original sender's publish id, so a hub that already
-                    // has the frame answers Duplicate instead of storing it twice.
-                    let mut publish = crate::wire::Publish {
-                        topic: topic.clone(),
-                        publish_id: super::frames::publish_id(id, topic),
-                        class: crate::wire::RetentionClass::Log,
-                        expected_head: crate::wire::ExpectedHead::Unconditional,
-                        replay_only: false,
-                        retention_secs: None,
-                        payload: payload.to_vec(),
-                        writer: None,
-                    };
-                    writer.sign(&mut publish);
-                    for hub in rec.routes().iter().filter(|h| h.as_str() != from) {
-                        self.shared
-                            .outbox
-                            .stage(&mut b, hub, &publish)
-                            .map_err(|e| DeviceError::Store(e.to_string()))?;
-                        forwarded = true;
-                    }
-                }
+        let forwarded = match via {
+            Some((from, topic)) => {
+                self.stage_forwards(&rec, &mut b, from, topic, payload, &events)?
             }
-        }
+            None => false,
+        };
         guard.finish(b)?;
         drop(guard);
         if forwarded {
@@ -417,6 +393,54 @@ impl GroupPeerManager {
         }
         self.emit_received(events);
         Ok(())
+    }
+
+    /// With forwarding on, stage a frame this device just delivered for
+    /// the first time (`events`) for the group's other hubs than `from`,
+    /// on the app topic it came on, under its original publish id (so a hub
+    /// that already has it answers `Duplicate`). Whether the frame came as
+    /// a push or was read from the log, it is forwarded the same way. Only
+    /// on an app topic the group still keeps: its writer key is what the
+    /// other hubs ask for. Answers whether anything was staged.
+    pub(super) fn stage_forwards(
+        &self,
+        rec: &GroupRecord,
+        b: &mut WriteBatch,
+        from: &str,
+        topic: &TopicId,
+        payload: &[u8],
+        events: &[Event],
+    ) -> Result<bool, DeviceError> {
+        if !self.shared.config.forwarding {
+            return Ok(false);
+        }
+        let Some(writer) = rec.app_writer(topic) else {
+            return Ok(false);
+        };
+        let mut forwarded = false;
+        for e in events {
+            if let Event::MessageReceived { id, .. } = e {
+                let mut publish = crate::wire::Publish {
+                    topic: topic.clone(),
+                    publish_id: super::frames::publish_id(id, topic),
+                    class: crate::wire::RetentionClass::Log,
+                    expected_head: crate::wire::ExpectedHead::Unconditional,
+                    replay_only: false,
+                    retention_secs: None,
+                    payload: payload.to_vec(),
+                    writer: None,
+                };
+                writer.sign(&mut publish);
+                for hub in rec.routes().iter().filter(|h| h.as_str() != from) {
+                    self.shared
+                        .outbox
+                        .stage(b, hub, &publish)
+                        .map_err(|e| DeviceError::Store(e.to_string()))?;
+                    forwarded = true;
+                }
+            }
+        }
+        Ok(forwarded)
     }
 
     /// Hand received messages to the app (twice under the test fault that

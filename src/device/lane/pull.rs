@@ -1088,15 +1088,26 @@ impl GroupPeerManager {
                 // Another catch-up of the same topic moved on meanwhile.
                 continue;
             }
-            if self.shared.records.group(&group)?.is_none() {
+            let Some(rec) = self.shared.records.group(&group)? else {
                 return Err(PullError::UnknownGroup(group));
-            }
+            };
             let mut b = WriteBatch::new();
             let mut events = Vec::new();
             let mut last = after;
+            let mut forwarded = false;
             for m in f.messages {
                 match self.receive_locked(&mut guard, group, &m.payload, &mut b) {
-                    Ok(e) => events.extend(e),
+                    Ok(e) => {
+                        forwarded |=
+                            match self.stage_forwards(&rec, &mut b, hub, topic, &m.payload, &e) {
+                                Ok(f) => f,
+                                Err(e) => {
+                                    guard.discard();
+                                    return Err(e.into());
+                                }
+                            };
+                        events.extend(e);
+                    }
                     Err(e) => {
                         guard.discard();
                         return Err(e.into());
@@ -1109,6 +1120,9 @@ impl GroupPeerManager {
                 .put_app_cursor(&mut b, &group, hub, topic, last);
             guard.finish(b)?;
             drop(guard);
+            if forwarded {
+                self.shared.outbox.wake();
+            }
             self.emit_received(events);
             if done {
                 return Ok(());
