@@ -809,11 +809,29 @@ async fn attackers_welcome(
     url: &str,
 ) -> WelcomeEnvelope {
     let (bytes, _) = attacker.client.claim_key_package(victim).await.unwrap();
-    let p = &attacker.provider;
-    let kp = KeyPackageIn::tls_deserialize_exact(bytes.as_slice())
+    let kp = validated(&attacker.provider, &bytes);
+    attackers_group_welcome(attacker, g, epoch, vec![kp], url)
+}
+
+/// A key package as any MLS client validates it.
+fn validated(p: &OpenMlsRustCrypto, bytes: &[u8]) -> KeyPackage {
+    KeyPackageIn::tls_deserialize_exact(bytes)
         .unwrap()
         .validate(p.crypto(), ProtocolVersion::Mls10)
-        .unwrap();
+        .unwrap()
+}
+
+/// The attacker's own MLS group with the group id `g`, at `epoch` or
+/// later, adding `adds` in one commit; its Welcome in an envelope the
+/// attacker signs.
+fn attackers_group_welcome(
+    attacker: &Raw,
+    g: GroupId,
+    epoch: u64,
+    adds: Vec<KeyPackage>,
+    url: &str,
+) -> WelcomeEnvelope {
+    let p = &attacker.provider;
     let ext = GroupExt {
         ledger_head: rand::random(),
         topic_seed: rand::random(),
@@ -832,7 +850,7 @@ async fn attackers_welcome(
     }
     let bundle = fake
         .commit_builder()
-        .propose_adds([kp])
+        .propose_adds(adds)
         .load_psks(p.storage())
         .unwrap()
         .build(p.rand(), p.crypto(), &attacker.signer, |_| true)
@@ -952,58 +970,16 @@ async fn a_welcome_whose_tree_holds_a_leaf_that_is_not_its_device_is_refused() {
     agree(&[&a, &v], g).await;
 
     let m = Raw::connect(&hub, 9301).await;
-    let p = &m.provider;
     let (bytes, _) = m.client.claim_key_package(v.id()).await.unwrap();
-    let real = KeyPackageIn::tls_deserialize_exact(bytes.as_slice())
-        .unwrap()
-        .validate(p.crypto(), ProtocolVersion::Mls10)
-        .unwrap();
+    let real = validated(&m.provider, &bytes);
     // B's name on a key only the attacker holds.
     let x_key = signing_key(9302);
-    let forged_bytes = m.key_package(credential(b.id(), &id_of(&x_key).0), &signer_of(&x_key));
-    let forged = KeyPackageIn::tls_deserialize_exact(forged_bytes.as_slice())
-        .unwrap()
-        .validate(p.crypto(), ProtocolVersion::Mls10)
-        .unwrap();
+    let forged = validated(
+        &m.provider,
+        &m.key_package(credential(b.id(), &id_of(&x_key).0), &signer_of(&x_key)),
+    );
     let z = GroupId(rand::random());
-    let ext = GroupExt {
-        ledger_head: rand::random(),
-        topic_seed: rand::random(),
-    };
-    let mut fake = MlsGroup::new_with_group_id(
-        p,
-        &m.signer,
-        &create_config(ext).unwrap(),
-        openmls::group::GroupId::from_slice(&z.0),
-        m.honest(),
-    )
-    .unwrap();
-    let bundle = fake
-        .commit_builder()
-        .propose_adds([forged, real])
-        .load_psks(p.storage())
-        .unwrap()
-        .build(p.rand(), p.crypto(), &m.signer, |_| true)
-        .unwrap()
-        .stage_commit(p)
-        .unwrap();
-    let welcome = bundle
-        .to_welcome_msg()
-        .expect("an add has a Welcome")
-        .tls_serialize_detached()
-        .unwrap();
-    fake.merge_pending_commit(p).unwrap();
-    let env = WelcomeEnvelope {
-        group: z,
-        hubs: vec![hub.url().to_string()],
-        commit_hub: hub.url().to_string(),
-        commit_seq: 0,
-        welcome,
-        ledger: vec![0xde; 48],
-        inviter: m.id(),
-        signature: Vec::new(),
-    }
-    .sign(&m.key);
+    let env = attackers_group_welcome(&m, z, 0, vec![forged, real], hub.url());
     m.client
         .publish(mailbox_publish(&welcome_topic(&v.id()), env.encode()))
         .await

@@ -606,6 +606,7 @@ impl GroupPeerManager {
             peer.cancel.cancel();
         }
         lock(&self.shared.topics).remove(&group);
+        lock(&self.shared.former_checked).remove(&group);
     }
 
     /// Make the group's peers follow the hubs its ledger binds (or its

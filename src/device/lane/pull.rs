@@ -561,10 +561,14 @@ impl GroupPeerManager {
             let (Some(seed), Some(seq)) = (k.commit_seed, k.seq) else {
                 continue;
             };
-            let link = self.hub_link(&k.hub);
-            if !link.is_connected() {
+            // Only over a link that exists and is up: checking must not
+            // bring back a link to a hub the group no longer uses.
+            let link = crate::device::manager::lock(&self.shared.links)
+                .get(&k.hub)
+                .cloned();
+            let Some(link) = link.filter(HubLink::is_connected) else {
                 continue;
-            }
+            };
             let topic = topics::commit_topic(&seed);
             let f = link
                 .fetch(&topic, seq.saturating_sub(1), 1)
