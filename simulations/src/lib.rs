@@ -35,7 +35,15 @@ use tokio::sync::{mpsc, oneshot};
 
 /// Wall-clock time at the start of every simulated run (ms since the Unix
 /// epoch), so stamps do not depend on when the run happens.
-pub const SIM_EPOCH_MS: u64 = 1_800_000_000_000;
+///
+/// It lies in the past (2025-06-15) because OpenMLS checks a key package's
+/// lifetime against the real system clock: the devices' key packages start
+/// at this time and last [`SIM_KEY_PACKAGE_LIFETIME`], so they are valid now
+/// and for a century, whenever the run happens.
+pub const SIM_EPOCH_MS: u64 = 1_750_000_000_000;
+
+/// The devices' key package lifetime (see [`SIM_EPOCH_MS`]).
+pub const SIM_KEY_PACKAGE_LIFETIME: Duration = Duration::from_secs(100 * 365 * 24 * 60 * 60);
 const HUB_PORT: u16 = 7400;
 
 /// Which faults a run injects while the workload runs.
@@ -702,6 +710,7 @@ async fn device_host(
     o.outbox.retry_base = Duration::from_millis(100);
     o.outbox.retry_max = Duration::from_secs(2);
     o.manager.commit_deadline = Duration::from_secs(60);
+    o.manager.key_package_lifetime = SIM_KEY_PACKAGE_LIFETIME;
     let w = world.clone();
     o.manager.observer = Some(Observer(Arc::new(move |e: &Event| {
         if let Event::HubStatus { .. } = e {

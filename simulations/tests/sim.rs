@@ -22,8 +22,14 @@ fn invariants_broken(cfg: &SimConfig) -> Vec<&'static str> {
     v
 }
 
-/// Run the simulator binary on one seed and read the trace hash it reports.
-fn trace_hash_of(seed: u64, ops: usize) -> String {
+/// Run the simulator binary on one seed in a fresh process, as a replay
+/// command does, and read the run's summary.
+///
+/// Why a process: runs in one process carry some global state over (see
+/// docs/simulations.md, "Determinism"), and the test harness runs tests on
+/// parallel threads, so a seed run in-process here would not be the run
+/// that `--seed N` replays.
+fn run_in_process(seed: u64, ops: usize, faults: &str) -> serde_json::Value {
     let dir = std::env::temp_dir().join(format!(
         "hubsync-sim-det-{}-{seed}-{}",
         std::process::id(),
@@ -35,21 +41,30 @@ fn trace_hash_of(seed: u64, ops: usize) -> String {
             &seed.to_string(),
             "--ops",
             &ops.to_string(),
+            "--faults",
+            faults,
             "--report",
         ])
         .arg(&dir)
         .output()
         .expect("run hubsync-sim");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stdout)
-    );
-    let json: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(dir.join("summary.json")).expect("report"))
-            .expect("json");
+    let json: Option<serde_json::Value> = std::fs::read(dir.join("summary.json"))
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok());
     let _ = std::fs::remove_dir_all(&dir);
-    json["runs"][0]["trace_hash"]
+    match json {
+        Some(j) => j["runs"][0].clone(),
+        None => panic!(
+            "seed {seed}: no report; the simulator printed:\n{}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    }
+}
+
+/// The trace hash of one seed run in a fresh process, every fault on.
+fn trace_hash_of(seed: u64, ops: usize) -> String {
+    run_in_process(seed, ops, "all")["trace_hash"]
         .as_str()
         .expect("hash")
         .to_string()
@@ -63,13 +78,16 @@ fn rand_suffix() -> u128 {
 }
 
 /// Each run in a fresh process, as a replayed failing seed is: the same seed
-/// gives the same trace, to the byte.
+/// gives the same trace, to the byte. Seed 40 runs every fault, a hub rewind
+/// among them; it once replayed differently from run to run (HPKE drew its
+/// ephemeral keys from the OS, and key package lifetimes came from the
+/// system clock), and then CI saw a run nobody could replay.
 #[test]
 fn the_same_seed_replays_the_same_run() {
-    let a = trace_hash_of(7, 15);
-    let b = trace_hash_of(7, 15);
+    let a = trace_hash_of(40, 30);
+    let b = trace_hash_of(40, 30);
     assert_eq!(a, b, "same seed, same trace");
-    assert_ne!(a, trace_hash_of(8, 15), "another seed, another run");
+    assert_ne!(a, trace_hash_of(41, 30), "another seed, another run");
 }
 
 #[test]
@@ -77,17 +95,14 @@ fn pinned_seeds_with_every_fault_hold_every_invariant() {
     for seed in [4, 29, 32, 44, 145, 162] {
         // Every fault but hub rewinds (the `hub_rewind_*` seeds below run
         // every fault).
-        let r = run_seed(&SimConfig {
-            ops: 20,
-            faults: Faults {
-                rewinds: false,
-                ..Faults::ALL
-            },
-            ..SimConfig::new(seed)
-        });
-        assert!(r.violations.is_empty(), "seed {seed}: {:?}", r.violations);
+        let r = run_in_process(
+            seed,
+            20,
+            "partitions,hub-crashes,device-crashes,latency,drops,strangers",
+        );
+        assert_eq!(r["violations"], serde_json::json!([]), "seed {seed}");
         assert!(
-            r.messages_sent > 0 && r.commits > 0,
+            r["messages_sent"].as_u64() > Some(0) && r["commits"].as_u64() > Some(0),
             "seed {seed} did nothing"
         );
     }
@@ -183,8 +198,8 @@ fn a_device_whose_ledger_diverges_is_caught() {
 /// until the lane learned to notice every kind of rewind and to give a
 /// rewound hub back what it lost; each must hold now.
 fn holds_with_every_fault(seed: u64) {
-    let r = run_seed(&SimConfig::new(seed));
-    assert!(r.violations.is_empty(), "seed {seed}: {:?}", r.violations);
+    let r = run_in_process(seed, SimConfig::new(seed).ops, "all");
+    assert_eq!(r["violations"], serde_json::json!([]), "seed {seed}");
 }
 
 /// hub1 restarts on an empty store during the workload. Members that had

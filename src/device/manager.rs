@@ -54,6 +54,11 @@ pub struct ManagerConfig {
     pub commit_deadline: Duration,
     /// Key packages kept in the pool on each hub.
     pub key_packages: u32,
+    /// How long the key packages this device makes, and its leaf in a group
+    /// it creates, stay valid (their MLS lifetime, counted from the device's
+    /// clock, starting [`mls::LIFETIME_MARGIN`](super::mls::LIFETIME_MARGIN)
+    /// in the past). OpenMLS refuses a key package outside it.
+    pub key_package_lifetime: Duration,
     /// Called synchronously with every event as it is emitted, after the
     /// state it reports is durable: for harnesses that must not miss one
     /// (the broadcast channel drops events for a lagging receiver).
@@ -78,6 +83,7 @@ impl Default for ManagerConfig {
             forwarding: false,
             commit_deadline: Duration::from_secs(30),
             key_packages: 10,
+            key_package_lifetime: super::mls::KEY_PACKAGE_LIFETIME,
             observer: None,
         }
     }

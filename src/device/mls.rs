@@ -2,6 +2,7 @@
 
 use super::ledger::{GroupExt, EXTENSION_TYPE};
 use openmls::prelude::*;
+use std::time::Duration;
 
 /// The ciphersuite of every group.
 pub const CIPHERSUITE: Ciphersuite = Ciphersuite::MLS_128_DHKEMX25519_AES128GCM_SHA256_Ed25519;
@@ -47,14 +48,41 @@ pub fn group_extensions(ext: GroupExt) -> Result<Extensions<GroupContext>, Inval
     Extensions::from_vec(vec![required, ext.to_extension()])
 }
 
-/// The configuration a group is created with. The ratchet tree travels in
-/// the Welcome, so a joiner needs nothing else.
+/// The default lifetime of a key package: OpenMLS's default, 84 days.
+pub const KEY_PACKAGE_LIFETIME: Duration = Duration::from_secs(84 * 24 * 60 * 60);
+
+/// How far into the past a lifetime starts, for receivers whose clocks run
+/// behind ours (OpenMLS's margin).
+pub const LIFETIME_MARGIN: Duration = Duration::from_secs(60 * 60);
+
+/// The MLS lifetime of a key package made at `now_ms` (Unix milliseconds)
+/// that stays valid for `length`.
+///
+/// Why not OpenMLS's default: it reads the system clock, so the bytes of a
+/// key package, and with them the tree hash and every epoch secret of the
+/// group it joins, changed with the second it was made. From the device's
+/// clock they replay in a simulation.
+pub fn lifetime(now_ms: u64, length: Duration) -> Lifetime {
+    let now = now_ms / 1000;
+    Lifetime::init(
+        now.saturating_sub(LIFETIME_MARGIN.as_secs()),
+        now.saturating_add(length.as_secs()),
+    )
+}
+
+/// The configuration a group is created with, its creator's leaf valid for
+/// `lifetime`. The ratchet tree travels in the Welcome, so a joiner needs
+/// nothing else.
 ///
 /// # Errors
 /// As [`group_extensions`].
-pub fn create_config(ext: GroupExt) -> Result<MlsGroupCreateConfig, InvalidExtensionError> {
+pub fn create_config(
+    ext: GroupExt,
+    lifetime: Lifetime,
+) -> Result<MlsGroupCreateConfig, InvalidExtensionError> {
     Ok(MlsGroupCreateConfig::builder()
         .ciphersuite(CIPHERSUITE)
+        .lifetime(lifetime)
         .capabilities(capabilities())
         .max_past_epochs(MAX_PAST_EPOCHS)
         .use_ratchet_tree_extension(true)

@@ -3,6 +3,7 @@
 
 mod api;
 mod control;
+pub mod crypto;
 pub mod directory;
 pub mod error;
 pub mod events;

@@ -781,7 +781,8 @@ impl GroupPeerManager {
             MlsGroup::new_with_group_id(
                 p,
                 me.signature_key_pair(),
-                &mls::create_config(ext).map_err(|e| DeviceError::Mls(e.to_string()))?,
+                &mls::create_config(ext, self.lifetime())
+                    .map_err(|e| DeviceError::Mls(e.to_string()))?,
                 id.to_mls(),
                 me.credential_with_key(),
             )
@@ -876,6 +877,14 @@ impl GroupPeerManager {
         Ok(Sent { id, epoch })
     }
 
+    /// The lifetime of a key package or leaf this device makes now.
+    fn lifetime(&self) -> Lifetime {
+        mls::lifetime(
+            self.shared.clock.now_ms(),
+            self.shared.config.key_package_lifetime,
+        )
+    }
+
     /// Make `n` pool key packages (and a last-resort one when asked), their
     /// private keys stored durably before they are returned.
     pub(super) fn make_key_packages(
@@ -886,7 +895,9 @@ impl GroupPeerManager {
         let op = OpProvider::new(self.shared.registry.provider().clone());
         let me = &self.shared.identity;
         let build = |last: bool| -> Result<Vec<u8>, DeviceError> {
-            let mut builder = KeyPackage::builder().leaf_node_capabilities(mls::capabilities());
+            let mut builder = KeyPackage::builder()
+                .leaf_node_capabilities(mls::capabilities())
+                .key_package_lifetime(self.lifetime());
             if last {
                 builder = builder.mark_as_last_resort();
             }

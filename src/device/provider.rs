@@ -12,10 +12,10 @@
 //! Production draws MLS randomness from RustCrypto's generator (ChaCha20
 //! seeded from the operating system). A simulation passes a seed instead, so
 //! every secret OpenMLS draws through `rand()` (group ids, leaf and path
-//! secrets, init keys, nonces, reuse guards) replays with the seed. The HPKE
-//! library draws the ephemeral keys of its own encryptions (Welcome secrets,
-//! update-path secrets) from the OS, so ciphertexts are not bit-for-bit
-//! reproducible; the decrypted state still is.
+//! secrets, init keys, nonces, reuse guards) replays with the seed, and so do
+//! the ephemeral keys of HPKE encryptions (Welcome secrets, update-path
+//! secrets), which [`DeviceCrypto`] draws from a second stream of the same
+//! seed: one seed gives the same bytes on the wire.
 
 use std::sync::{Arc, Mutex};
 
@@ -25,6 +25,7 @@ use openmls_traits::OpenMlsProvider;
 use rand::{RngCore, SeedableRng};
 use rand_chacha::ChaCha20Rng;
 
+use super::crypto::DeviceCrypto;
 use super::storage::{DeviceStorage, StagedStorage, StorageError};
 use crate::kv::{KvStore, WriteBatch};
 
@@ -42,6 +43,15 @@ impl SeededRand {
     /// A generator seeded from `seed`.
     pub fn from_seed(seed: u64) -> Self {
         Self::from_rng(ChaCha20Rng::seed_from_u64(seed))
+    }
+
+    /// Another generator from `seed` whose stream never meets
+    /// [`from_seed`](Self::from_seed)'s: ChaCha20's stream number `stream`
+    /// (0 is `from_seed`'s).
+    pub fn from_seed_stream(seed: u64, stream: u64) -> Self {
+        let mut rng = ChaCha20Rng::seed_from_u64(seed);
+        rng.set_stream(stream);
+        Self::from_rng(rng)
     }
 
     /// A generator continuing `rng`'s stream (for example one forked from a
@@ -101,6 +111,10 @@ impl OpenMlsRand for DeviceRand {
     }
 }
 
+/// The ChaCha20 stream of a seeded provider's HPKE ephemeral keys (stream 0
+/// is OpenMLS's `rand()`).
+const HPKE_STREAM: u64 = 1;
+
 /// The device's OpenMLS provider.
 ///
 /// Used directly as an `OpenMlsProvider`, it stages writes in its own
@@ -109,7 +123,7 @@ impl OpenMlsRand for DeviceRand {
 /// tools. Engine code uses [`staged`](Self::staged) instead, one overlay per
 /// operation, so operations on different groups never share a batch.
 pub struct DeviceProvider {
-    crypto: RustCrypto,
+    crypto: DeviceCrypto,
     rand: DeviceRand,
     storage: DeviceStorage,
     own: StagedStorage,
@@ -124,15 +138,24 @@ impl DeviceProvider {
     /// A provider over `kv` whose MLS randomness replays from `seed`: for
     /// simulations and tests only (see [`SeededRand`] on restarts).
     pub fn seeded(kv: Arc<dyn KvStore>, seed: u64) -> Self {
-        Self::with_rand(kv, DeviceRand::Seeded(SeededRand::from_seed(seed)))
+        Self::with_parts(
+            kv,
+            DeviceCrypto::seeded(SeededRand::from_seed_stream(seed, HPKE_STREAM)),
+            DeviceRand::Seeded(SeededRand::from_seed(seed)),
+        )
     }
 
-    /// A provider over `kv` with the given random source.
+    /// A provider over `kv` with the given random source (and RustCrypto's
+    /// own HPKE ephemeral keys).
     pub fn with_rand(kv: Arc<dyn KvStore>, rand: DeviceRand) -> Self {
+        Self::with_parts(kv, DeviceCrypto::system(), rand)
+    }
+
+    fn with_parts(kv: Arc<dyn KvStore>, crypto: DeviceCrypto, rand: DeviceRand) -> Self {
         let storage = DeviceStorage::new(kv);
         let own = storage.staged();
         Self {
-            crypto: RustCrypto::default(),
+            crypto,
             rand,
             storage,
             own,
@@ -171,7 +194,7 @@ impl DeviceProvider {
 }
 
 impl OpenMlsProvider for DeviceProvider {
-    type CryptoProvider = RustCrypto;
+    type CryptoProvider = DeviceCrypto;
     type RandProvider = DeviceRand;
     type StorageProvider = StagedStorage;
 
@@ -195,7 +218,7 @@ impl OpenMlsProvider for DeviceProvider {
 /// engine's own changes, and apply it as one batch; when it fails, drop it and
 /// the store is untouched.
 pub struct StagedProvider<'a> {
-    crypto: &'a RustCrypto,
+    crypto: &'a DeviceCrypto,
     rand: &'a DeviceRand,
     storage: StagedStorage,
 }
@@ -223,7 +246,7 @@ impl StagedProvider<'_> {
 }
 
 impl OpenMlsProvider for StagedProvider<'_> {
-    type CryptoProvider = RustCrypto;
+    type CryptoProvider = DeviceCrypto;
     type RandProvider = DeviceRand;
     type StorageProvider = StagedStorage;
 

@@ -12,7 +12,6 @@ use super::records::GroupId;
 use super::storage::{StagedStorage, StorageError};
 use crate::kv::{KvError, WriteBatch};
 use openmls::prelude::MlsGroup;
-use openmls_rust_crypto::RustCrypto;
 use openmls_traits::OpenMlsProvider;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -66,7 +65,7 @@ impl OpProvider {
 }
 
 impl OpenMlsProvider for OpProvider {
-    type CryptoProvider = RustCrypto;
+    type CryptoProvider = super::crypto::DeviceCrypto;
     type RandProvider = super::provider::DeviceRand;
     type StorageProvider = StagedStorage;
 
