@@ -31,10 +31,10 @@ use hubsync::wire::{
 };
 use openmls::prelude::tls_codec::{Deserialize as _, Serialize as _};
 use openmls::prelude::{
-    BasicCredential, CredentialWithKey, KeyPackage, KeyPackageIn, LeafNodeParameters, MlsGroup,
-    MlsGroupJoinConfig, MlsMessageBodyIn, MlsMessageIn, NewSignerBundle, ProcessedMessageContent,
-    ProtocolVersion, StagedWelcome, WireFormatPolicy, MIXED_CIPHERTEXT_WIRE_FORMAT_POLICY,
-    MIXED_PLAINTEXT_WIRE_FORMAT_POLICY,
+    BasicCredential, CredentialWithKey, KeyPackage, KeyPackageIn, LeafNodeParameters, Lifetime,
+    MlsGroup, MlsGroupJoinConfig, MlsMessageBodyIn, MlsMessageIn, NewSignerBundle,
+    ProcessedMessageContent, ProtocolVersion, StagedWelcome, WireFormatPolicy,
+    MIXED_CIPHERTEXT_WIRE_FORMAT_POLICY, MIXED_PLAINTEXT_WIRE_FORMAT_POLICY,
 };
 use openmls_basic_credential::SignatureKeyPair;
 use openmls_rust_crypto::OpenMlsRustCrypto;
@@ -839,7 +839,7 @@ fn attackers_group_welcome(
     let mut fake = MlsGroup::new_with_group_id(
         p,
         &attacker.signer,
-        &create_config(ext).unwrap(),
+        &create_config(ext, Lifetime::default()).unwrap(),
         openmls::group::GroupId::from_slice(&g.0),
         attacker.honest(),
     )
@@ -1155,10 +1155,13 @@ async fn a_flood_of_envelopes_for_unknown_groups_leaves_no_state() {
         let mut own = MlsGroup::new_with_group_id(
             p,
             &attacker.signer,
-            &create_config(GroupExt {
-                ledger_head: [1; 32],
-                topic_seed: [2; 32],
-            })
+            &create_config(
+                GroupExt {
+                    ledger_head: [1; 32],
+                    topic_seed: [2; 32],
+                },
+                Lifetime::default(),
+            )
             .unwrap(),
             openmls::group::GroupId::from_slice(&[3; 32]),
             attacker.honest(),
