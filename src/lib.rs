@@ -6,6 +6,7 @@
 //! transport behind [`transport`], every wall-clock read behind [`clock`] and
 //! every random draw behind [`rng`], so the simulation runs this very code.
 
+pub mod bench;
 pub mod client;
 pub mod clock;
 pub mod device;

@@ -1,4 +1,4 @@
-//! The `hubsync` binary: run a hub, or the end-to-end demo.
+//! The `hubsync` binary: run a hub, the end-to-end demo, or the bench.
 
 mod demo;
 
@@ -30,6 +30,70 @@ enum Command {
     Hub(HubArgs),
     /// Two real hubs and five devices on loopback, end to end.
     Demo,
+    /// Measure hubsync against raw baselines in the same run (see
+    /// docs/performance.md).
+    Bench(BenchArgs),
+}
+
+#[derive(clap::Args)]
+struct BenchArgs {
+    /// Where the report goes (report.md, summary.json, ratios.svg).
+    #[arg(long, default_value = "bench-report")]
+    report: PathBuf,
+    /// A few seconds at small sizes, to check that every pair runs (CI).
+    #[arg(long)]
+    smoke: bool,
+    /// Concurrent compare-and-set publishers.
+    #[arg(long)]
+    publishers: Option<usize>,
+    /// Subscriber counts of the fan-out pairs, comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    subscribers: Option<Vec<usize>>,
+    /// Payload bytes of every frame.
+    #[arg(long)]
+    payload: Option<usize>,
+    /// Milliseconds per slice.
+    #[arg(long)]
+    slice_ms: Option<u64>,
+    /// Slices per side of each pair.
+    #[arg(long)]
+    rounds: Option<usize>,
+}
+
+impl BenchArgs {
+    fn options(&self) -> hubsync::bench::BenchOptions {
+        let mut o = if self.smoke {
+            hubsync::bench::BenchOptions::smoke(self.report.clone())
+        } else {
+            hubsync::bench::BenchOptions::full(self.report.clone())
+        };
+        if let Some(n) = self.publishers {
+            o.publishers = n;
+        }
+        if let Some(s) = &self.subscribers {
+            o.subscribers = s.clone();
+        }
+        if let Some(p) = self.payload {
+            o.payload = p;
+        }
+        if let Some(ms) = self.slice_ms {
+            o.slice = Duration::from_millis(ms);
+        }
+        if let Some(r) = self.rounds {
+            o.rounds = r.max(1);
+        }
+        o
+    }
+}
+
+async fn bench(args: &BenchArgs) -> Result<(), String> {
+    let opts = args.options();
+    let report = hubsync::bench::run(&opts)
+        .await
+        .map_err(|e| e.to_string())?;
+    print!("{}", report.markdown());
+    println!("\nreport written to {}", opts.out.display());
+    Ok(())
 }
 
 #[derive(clap::Args)]
@@ -82,7 +146,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     // The demo narrates on stdout; its logs stay quiet unless asked for.
     let default = match cli.command {
-        Command::Demo => "warn",
+        Command::Demo | Command::Bench(_) => "warn",
         Command::Hub(_) => "info",
     };
     tracing_subscriber::fmt()
@@ -102,6 +166,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Hub(args) => rt.block_on(run_hub(args)),
         Command::Demo => rt.block_on(demo::run()),
+        Command::Bench(args) => rt.block_on(bench(&args)),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
