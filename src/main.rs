@@ -49,6 +49,9 @@ struct BenchArgs {
     /// Subscriber counts of the fan-out pairs, comma-separated.
     #[arg(long, value_delimiter = ',')]
     subscribers: Option<Vec<usize>>,
+    /// Group sizes of the application message pairs, comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    members: Option<Vec<usize>>,
     /// Payload bytes of every frame.
     #[arg(long)]
     payload: Option<usize>,
@@ -72,6 +75,9 @@ impl BenchArgs {
         }
         if let Some(s) = &self.subscribers {
             o.subscribers = s.clone();
+        }
+        if let Some(m) = &self.members {
+            o.members = m.clone();
         }
         if let Some(p) = self.payload {
             o.payload = p;

@@ -12,8 +12,12 @@
 //! - durable compare-and-set publishes, each publisher on its own topic,
 //!   against a raw tokio-tungstenite echo of the same bytes;
 //! - fan-out from one publisher to N subscribers through the hub, against
-//!   a raw tokio-tungstenite broadcast of the same frames.
+//!   a raw tokio-tungstenite broadcast of the same frames;
+//! - an application message end to end in a group of N devices, against
+//!   raw OpenMLS encryption, every receiver's decryption and a WebSocket
+//!   round trip of the ciphertext.
 
+mod app;
 mod load;
 pub mod raw;
 mod report;
@@ -33,6 +37,8 @@ pub struct BenchOptions {
     pub publishers: usize,
     /// Subscriber counts of the fan-out pairs, one pair each.
     pub subscribers: Vec<usize>,
+    /// Group sizes of the application message pairs, one pair each.
+    pub members: Vec<usize>,
     /// Payload bytes of every frame.
     pub payload: usize,
     /// Length of one slice.
@@ -52,6 +58,7 @@ impl BenchOptions {
         Self {
             publishers: 64,
             subscribers: vec![10, 100],
+            members: vec![10],
             payload: 1024,
             slice: Duration::from_secs(2),
             rounds: 5,
@@ -66,6 +73,7 @@ impl BenchOptions {
         Self {
             publishers: 4,
             subscribers: vec![3],
+            members: vec![3],
             payload: 256,
             slice: Duration::from_millis(200),
             rounds: 1,
@@ -101,12 +109,15 @@ pub enum BenchError {
 /// # Errors
 /// As [`BenchError`]; nothing is written for a failed run.
 pub async fn run(opts: &BenchOptions) -> Result<Report, BenchError> {
-    let steps = (1 + opts.subscribers.len()) * opts.rounds * 2;
+    let steps = (1 + opts.subscribers.len() + opts.members.len()) * opts.rounds * 2;
     let bar = progress_bar(opts.progress, steps as u64);
     let mut rows = Vec::new();
     rows.push(cas_pair(opts, &bar).await?);
     for &n in &opts.subscribers {
         rows.push(fanout_pair(opts, n, &bar).await?);
+    }
+    for &n in &opts.members {
+        rows.push(app_pair(opts, n, &bar).await?);
     }
     bar.finish_and_clear();
     let report = Report::new(rows, opts);
@@ -300,5 +311,58 @@ async fn fanout_pair(
         Figure::rate("deliveries/s", &h),
         Figure::rate("deliveries/s (tokio-tungstenite broadcast)", &b),
         Some(0.7),
+    ))
+}
+
+async fn app_pair(
+    opts: &BenchOptions,
+    n: usize,
+    bar: &indicatif::ProgressBar,
+) -> Result<Row, BenchError> {
+    let n = n.max(2);
+    let work = format!(
+        "app message until all {} others received, group of {n}, {} B",
+        n - 1,
+        opts.payload
+    );
+    let hub = bench_hub().await?;
+    let group = app::HubGroup::form(&hub, n)
+        .await
+        .map_err(|e| BenchError::Setup(format!("hub group: {e}")))?;
+    let mut raw_group = app::RawGroup::form(n)
+        .await
+        .map_err(|e| BenchError::Setup(format!("raw group: {e}")))?;
+    struct Raw<'a>(&'a mut app::RawGroup, usize, Duration);
+    impl AsyncSliceFn for Raw<'_> {
+        async fn slice(&mut self) -> Result<Slice, String> {
+            app::raw_messages(self.0, self.1, self.2).await
+        }
+    }
+    struct Hub<'a>(&'a app::HubGroup, usize, Duration);
+    impl AsyncSliceFn for Hub<'_> {
+        async fn slice(&mut self) -> Result<Slice, String> {
+            app::hub_messages(self.0, self.1, self.2).await
+        }
+    }
+    let (b, h) = alternate(
+        &work,
+        opts.rounds,
+        bar,
+        Raw(&mut raw_group, opts.payload, opts.slice),
+        Hub(&group, opts.payload, opts.slice),
+    )
+    .await?;
+    group.close().await;
+    hub.stop().await;
+    Ok(Row::new(
+        work,
+        Figure::rate("messages/s", &h),
+        Figure::rate(
+            "messages/s (OpenMLS encrypt + decrypts + WebSocket round trip)",
+            &b,
+        ),
+        // The target is on latency (at most 1.5 times the raw
+        // work); one message at a time, the rate ratio is its inverse.
+        Some(1.0 / 1.5),
     ))
 }

@@ -23,7 +23,7 @@ use crate::rng::SharedRng;
 use crate::transport::Connector;
 use crate::wire::{Publish, PublishOutcome, TopicId};
 use futures::future::BoxFuture;
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
@@ -181,15 +181,15 @@ pub(super) struct Shared {
     /// The device's hybrid logical clock for ledger entries.
     pub hlc: HlcClock,
     /// One commit run at a time per group (apart from the group lock).
-    pub lanes: Mutex<HashMap<GroupId, Arc<tokio::sync::Mutex<()>>>>,
+    pub lanes: Mutex<BTreeMap<GroupId, Arc<tokio::sync::Mutex<()>>>>,
     /// When each group's former commit logs were last checked (ms).
-    pub former_checked: Mutex<HashMap<GroupId, u64>>,
+    pub former_checked: Mutex<BTreeMap<GroupId, u64>>,
     /// The URL of this device's loopback hub, which the sentinel
     /// [`LOOPBACK_HUB`] stands for.
     pub loopback_url: String,
-    pub links: Mutex<HashMap<String, HubLink>>,
-    pub peers: Mutex<HashMap<(GroupId, String), GroupPeer>>,
-    pub topics: Mutex<HashMap<GroupId, watch::Sender<GroupTopics>>>,
+    pub links: Mutex<BTreeMap<String, HubLink>>,
+    pub peers: Mutex<BTreeMap<(GroupId, String), GroupPeer>>,
+    pub topics: Mutex<BTreeMap<GroupId, watch::Sender<GroupTopics>>>,
     pub events: broadcast::Sender<Event>,
     /// The receiver made with the channel, handed to the first caller of
     /// `events()`, so events from before the app asked are not lost.
@@ -319,8 +319,8 @@ impl GroupPeerManager {
             shared: Arc::new(Shared {
                 clock,
                 hlc: HlcClock::new(),
-                lanes: Mutex::new(HashMap::new()),
-                former_checked: Mutex::new(HashMap::new()),
+                lanes: Mutex::new(BTreeMap::new()),
+                former_checked: Mutex::new(BTreeMap::new()),
                 loopback_url,
                 identity,
                 registry,
@@ -330,9 +330,9 @@ impl GroupPeerManager {
                 connector,
                 config,
                 rng,
-                links: Mutex::new(HashMap::new()),
-                peers: Mutex::new(HashMap::new()),
-                topics: Mutex::new(HashMap::new()),
+                links: Mutex::new(BTreeMap::new()),
+                peers: Mutex::new(BTreeMap::new()),
+                topics: Mutex::new(BTreeMap::new()),
                 events,
                 first_events: Mutex::new(Some(first_events)),
                 own_hubs: Mutex::new(Vec::new()),
@@ -749,7 +749,9 @@ impl GroupPeerManager {
         self.shared.shutdown.cancel();
         self.shared.tasks.close();
         self.shared.tasks.wait().await;
-        let links: Vec<HubLink> = lock(&self.shared.links).drain().map(|(_, l)| l).collect();
+        let links: Vec<HubLink> = std::mem::take(&mut *lock(&self.shared.links))
+            .into_values()
+            .collect();
         for l in links {
             l.stop().await;
         }

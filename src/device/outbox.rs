@@ -59,7 +59,7 @@
 //! - `outbox/i/` + hub length (u64 BE) + hub + publish id → the sequence
 //!   (u64 BE), so staging the same publish twice finds the first entry.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -360,7 +360,7 @@ struct Reservation {
 
 struct StageState {
     next_seq: u64,
-    reserved: HashMap<(String, PublishId), Reservation>,
+    reserved: BTreeMap<(String, PublishId), Reservation>,
 }
 
 struct Inner {
@@ -503,10 +503,10 @@ struct Round {
 #[derive(Default)]
 struct Driver {
     /// Hubs with a round in flight: not planned again until it returns.
-    busy: HashSet<String>,
+    busy: BTreeSet<String>,
     /// Hubs whose last round had a transient failure: sent one entry at a
     /// time until one gets through, so an outage is probed, not flooded.
-    probing: HashSet<String>,
+    probing: BTreeSet<String>,
 }
 
 /// Clears the single-driver flag however `run` ends, including by drop.
@@ -568,7 +568,7 @@ impl Outbox {
                 config,
                 stage: Mutex::new(StageState {
                     next_seq,
-                    reserved: HashMap::new(),
+                    reserved: BTreeMap::new(),
                 }),
                 wake: Notify::new(),
                 running: AtomicBool::new(false),
@@ -1199,7 +1199,7 @@ mod tests {
     /// resend is answered `duplicate` across outbox restarts.
     struct TestSink {
         clock: Clock,
-        hubs: Mutex<HashMap<String, HubSim>>,
+        hubs: Mutex<BTreeMap<String, HubSim>>,
         calls: Mutex<Vec<Call>>,
     }
 
@@ -1207,7 +1207,7 @@ mod tests {
         fn new(clock: &Clock) -> Arc<Self> {
             Arc::new(Self {
                 clock: clock.clone(),
-                hubs: Mutex::new(HashMap::new()),
+                hubs: Mutex::new(BTreeMap::new()),
                 calls: Mutex::new(Vec::new()),
             })
         }

@@ -19,7 +19,7 @@ use crate::wire::{DeviceId, TopicId};
 use openmls::prelude::tls_codec::{Deserialize as _, Serialize as _};
 use openmls::prelude::*;
 use openmls_traits::OpenMlsProvider;
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 use tokio::sync::{mpsc, watch};
@@ -67,7 +67,7 @@ impl GroupPeerManager {
         cancel: CancellationToken,
     ) {
         let (tx, mut rx) = mpsc::channel::<Item>(256);
-        let mut subs: HashMap<TopicId, tokio::task::JoinHandle<()>> = HashMap::new();
+        let mut subs: BTreeMap<TopicId, tokio::task::JoinHandle<()>> = BTreeMap::new();
         let mut pulled_once = false;
         let mut tick = tokio::time::interval(PULL_INTERVAL);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

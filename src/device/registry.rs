@@ -13,7 +13,7 @@ use super::storage::{StagedStorage, StorageError};
 use crate::kv::{KvError, WriteBatch};
 use openmls::prelude::MlsGroup;
 use openmls_traits::OpenMlsProvider;
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use tokio::sync::{Mutex as AsyncMutex, OwnedMutexGuard};
 
@@ -90,7 +90,7 @@ struct Slot {
 /// The device's MLS groups, one lock each.
 pub struct Registry {
     provider: Arc<DeviceProvider>,
-    slots: Mutex<HashMap<GroupId, Arc<AsyncMutex<Slot>>>>,
+    slots: Mutex<BTreeMap<GroupId, Arc<AsyncMutex<Slot>>>>,
 }
 
 impl Registry {
@@ -98,7 +98,7 @@ impl Registry {
     pub fn new(provider: Arc<DeviceProvider>) -> Self {
         Self {
             provider,
-            slots: Mutex::new(HashMap::new()),
+            slots: Mutex::new(BTreeMap::new()),
         }
     }
 

@@ -24,8 +24,8 @@ use crate::wire::{
     RetentionClass, StoreId, TopicId,
 };
 use sha2::{Digest, Sha256};
-use std::collections::hash_map::Entry;
-use std::collections::HashMap;
+use std::collections::btree_map::Entry;
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -95,13 +95,13 @@ pub(crate) struct Counters {
 /// The usage records one operation reads and changes, staged into its
 /// batch at the end (only those that changed).
 struct UsageStage {
-    map: HashMap<DeviceId, (DeviceUsage, DeviceUsage)>,
+    map: BTreeMap<DeviceId, (DeviceUsage, DeviceUsage)>,
 }
 
 impl UsageStage {
     fn new() -> Self {
         Self {
-            map: HashMap::new(),
+            map: BTreeMap::new(),
         }
     }
 
@@ -901,8 +901,8 @@ impl HubCore {
         let mut batch = WriteBatch::new();
         let mut usage = UsageStage::new();
         let mut removed = 0u32;
-        let mut frames: HashMap<Vec<u8>, Option<StoredFrame>> = HashMap::new();
-        let mut seen = std::collections::HashSet::new();
+        let mut frames: BTreeMap<Vec<u8>, Option<StoredFrame>> = BTreeMap::new();
+        let mut seen = std::collections::BTreeSet::new();
         for id in ids {
             if !seen.insert(*id) {
                 continue;
@@ -933,7 +933,7 @@ impl HubCore {
     /// (`None`) had its bytes released when it was taken.
     fn stage_mailbox_frames(
         &self,
-        frames: HashMap<Vec<u8>, Option<StoredFrame>>,
+        frames: BTreeMap<Vec<u8>, Option<StoredFrame>>,
         batch: &mut WriteBatch,
         usage: &mut UsageStage,
     ) -> Result<(), HubError> {
@@ -954,7 +954,7 @@ impl HubCore {
     fn release_mailbox(
         &self,
         fkey: &[u8],
-        frames: &mut HashMap<Vec<u8>, Option<StoredFrame>>,
+        frames: &mut BTreeMap<Vec<u8>, Option<StoredFrame>>,
     ) -> Result<(), HubError> {
         if !frames.contains_key(fkey) {
             let f = self.read::<StoredFrame>(fkey)?;
@@ -1113,9 +1113,9 @@ impl HubCore {
             }
             let mut batch = WriteBatch::new();
             let mut usage = UsageStage::new();
-            let mut frames: HashMap<Vec<u8>, Option<StoredFrame>> = HashMap::new();
-            let mut metas: HashMap<TopicId, TopicMeta> = HashMap::new();
-            let mut deleted = std::collections::HashSet::new();
+            let mut frames: BTreeMap<Vec<u8>, Option<StoredFrame>> = BTreeMap::new();
+            let mut metas: BTreeMap<TopicId, TopicMeta> = BTreeMap::new();
+            let mut deleted = std::collections::BTreeSet::new();
             for (ek, _) in &rows {
                 batch.delete(ek.clone());
                 let Some((kind, target)) = l::parse_expiry(ek) else {

@@ -27,7 +27,7 @@ use crate::kv::KvStore;
 use crate::rng::SharedRng;
 use crate::transport::Listener;
 use crate::wire::DeviceId;
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -160,8 +160,8 @@ pub(crate) struct HubShared {
     config: HubConfig,
     clock: Clock,
     rng: SharedRng,
-    sessions: Mutex<HashMap<DeviceId, Session>>,
-    used_nonces: Mutex<HashMap<[u8; 32], u64>>,
+    sessions: Mutex<BTreeMap<DeviceId, Session>>,
+    used_nonces: Mutex<BTreeMap<[u8; 32], u64>>,
     shutdown: CancellationToken,
     tasks: TaskTracker,
     next_conn: AtomicU64,
@@ -226,8 +226,8 @@ impl Hub {
             config,
             clock,
             rng,
-            sessions: Mutex::new(HashMap::new()),
-            used_nonces: Mutex::new(HashMap::new()),
+            sessions: Mutex::new(BTreeMap::new()),
+            used_nonces: Mutex::new(BTreeMap::new()),
             shutdown: CancellationToken::new(),
             tasks: TaskTracker::new(),
             next_conn: AtomicU64::new(1),
