@@ -339,7 +339,11 @@ impl HubClient {
     }
 
     /// The channel of pushed frames. Returns `Some` once; later calls `None`.
-    /// Read it promptly: when it is full, the connection stops reading.
+    /// Read it promptly: when it is full, the connection stops reading,
+    /// answers to requests included. So never wait for a request's answer
+    /// (an `ack`, say) on the task that drains this channel: with more than
+    /// [`ClientOptions::push_buffer`] pushes in between, the answer can
+    /// never be read. Send such requests from another task.
     pub fn take_pushes(&self) -> Option<mpsc::Receiver<Push>> {
         lock(&self.inner.pushes).take()
     }
