@@ -171,8 +171,8 @@ async fn alternate<B, H>(
     mut hub: H,
 ) -> Result<(Vec<Slice>, Vec<Slice>), BenchError>
 where
-    B: AsyncSliceFn,
-    H: AsyncSliceFn,
+    B: AsyncFnMut() -> Result<Slice, String>,
+    H: AsyncFnMut() -> Result<Slice, String>,
 {
     let fail = |reason: String| BenchError::Work {
         work: work.to_string(),
@@ -182,22 +182,17 @@ where
     bar.set_message(work.to_string());
     for round in 0..rounds {
         if round % 2 == 0 {
-            b.push(baseline.slice().await.map_err(fail)?);
+            b.push(baseline().await.map_err(fail)?);
             bar.inc(1);
-            h.push(hub.slice().await.map_err(fail)?);
+            h.push(hub().await.map_err(fail)?);
         } else {
-            h.push(hub.slice().await.map_err(fail)?);
+            h.push(hub().await.map_err(fail)?);
             bar.inc(1);
-            b.push(baseline.slice().await.map_err(fail)?);
+            b.push(baseline().await.map_err(fail)?);
         }
         bar.inc(1);
     }
     Ok((b, h))
-}
-
-/// One side of a pair: something that runs one slice at a time.
-trait AsyncSliceFn {
-    async fn slice(&mut self) -> Result<Slice, String>;
 }
 
 async fn cas_pair(opts: &BenchOptions, bar: &indicatif::ProgressBar) -> Result<Row, BenchError> {
@@ -214,24 +209,13 @@ async fn cas_pair(opts: &BenchOptions, bar: &indicatif::ProgressBar) -> Result<R
     for _ in 0..opts.publishers {
         sockets.push(raw::dial(&echo.url()).await.map_err(BenchError::Setup)?);
     }
-    struct Echo<'a>(&'a mut [raw::RawSocket], usize, Duration);
-    impl AsyncSliceFn for Echo<'_> {
-        async fn slice(&mut self) -> Result<Slice, String> {
-            load::echo_round_trips(self.0, self.1, self.2).await
-        }
-    }
-    struct Cas<'a>(&'a [crate::client::HubClient], usize, Duration);
-    impl AsyncSliceFn for Cas<'_> {
-        async fn slice(&mut self) -> Result<Slice, String> {
-            load::cas_publishes(self.0, self.1, self.2).await
-        }
-    }
+    let (payload, len) = (opts.payload, opts.slice);
     let (b, h) = alternate(
         &work,
         opts.rounds,
         bar,
-        Echo(&mut sockets, opts.payload, opts.slice),
-        Cas(&pubs, opts.payload, opts.slice),
+        async || load::echo_round_trips(&mut sockets, payload, len).await,
+        async || load::cas_publishes(&pubs, payload, len).await,
     )
     .await?;
     hub.stop().await;
@@ -274,34 +258,13 @@ async fn fanout_pair(
             .await
             .map_err(|e| BenchError::Setup(e.to_string()))?;
     }
-    struct Raw<'a>(
-        &'a mut raw::RawSocket,
-        &'a load::RawSubscribers,
-        usize,
-        Duration,
-    );
-    impl AsyncSliceFn for Raw<'_> {
-        async fn slice(&mut self) -> Result<Slice, String> {
-            load::raw_fanout(self.0, self.1, self.2, self.3).await
-        }
-    }
-    struct Hub<'a>(
-        &'a crate::client::HubClient,
-        &'a load::HubSubscribers,
-        usize,
-        Duration,
-    );
-    impl AsyncSliceFn for Hub<'_> {
-        async fn slice(&mut self) -> Result<Slice, String> {
-            load::hub_fanout(self.0, self.1, self.2, self.3).await
-        }
-    }
+    let (payload, len) = (opts.payload, opts.slice);
     let (b, h) = alternate(
         &work,
         opts.rounds,
         bar,
-        Raw(&mut raw_pub, &raw_subs, opts.payload, opts.slice),
-        Hub(&publisher, &subs, opts.payload, opts.slice),
+        async || load::raw_fanout(&mut raw_pub, &raw_subs, payload, len).await,
+        async || load::hub_fanout(&publisher, &subs, payload, len).await,
     )
     .await?;
     drop(subs);
@@ -332,24 +295,13 @@ async fn app_pair(
     let mut raw_group = app::RawGroup::form(n)
         .await
         .map_err(|e| BenchError::Setup(format!("raw group: {e}")))?;
-    struct Raw<'a>(&'a mut app::RawGroup, usize, Duration);
-    impl AsyncSliceFn for Raw<'_> {
-        async fn slice(&mut self) -> Result<Slice, String> {
-            app::raw_messages(self.0, self.1, self.2).await
-        }
-    }
-    struct Hub<'a>(&'a app::HubGroup, usize, Duration);
-    impl AsyncSliceFn for Hub<'_> {
-        async fn slice(&mut self) -> Result<Slice, String> {
-            app::hub_messages(self.0, self.1, self.2).await
-        }
-    }
+    let (payload, len) = (opts.payload, opts.slice);
     let (b, h) = alternate(
         &work,
         opts.rounds,
         bar,
-        Raw(&mut raw_group, opts.payload, opts.slice),
-        Hub(&group, opts.payload, opts.slice),
+        async || app::raw_messages(&mut raw_group, payload, len).await,
+        async || app::hub_messages(&group, payload, len).await,
     )
     .await?;
     group.close().await;

@@ -36,43 +36,28 @@ impl EchoServer {
     /// # Errors
     /// When no port can be bound.
     pub async fn start() -> std::io::Result<Self> {
-        let listener = TcpListener::bind("127.0.0.1:0").await?;
-        let addr = listener.local_addr()?;
-        let stop = CancellationToken::new();
-        let s = stop.clone();
-        tokio::spawn(async move {
+        let (addr, stop) = accept_each(|stream, stop| async move {
+            let _ = stream.set_nodelay(true);
+            let Ok(mut ws) = tokio_tungstenite::accept_async(stream).await else {
+                return;
+            };
             loop {
-                let stream = tokio::select! {
-                    _ = s.cancelled() => return,
-                    a = listener.accept() => match a {
-                        Ok((stream, _)) => stream,
-                        Err(_) => continue,
-                    },
+                let msg = tokio::select! {
+                    _ = stop.cancelled() => return,
+                    m = ws.next() => m,
                 };
-                let s = s.clone();
-                tokio::spawn(async move {
-                    let _ = stream.set_nodelay(true);
-                    let Ok(mut ws) = tokio_tungstenite::accept_async(stream).await else {
-                        return;
-                    };
-                    loop {
-                        let msg = tokio::select! {
-                            _ = s.cancelled() => return,
-                            m = ws.next() => m,
-                        };
-                        match msg {
-                            Some(Ok(m @ Message::Binary(_))) => {
-                                if ws.send(m).await.is_err() {
-                                    return;
-                                }
-                            }
-                            Some(Ok(_)) => {}
-                            _ => return,
+                match msg {
+                    Some(Ok(m @ Message::Binary(_))) => {
+                        if ws.send(m).await.is_err() {
+                            return;
                         }
                     }
-                });
+                    Some(Ok(_)) => {}
+                    _ => return,
+                }
             }
-        });
+        })
+        .await?;
         Ok(Self { addr, stop })
     }
 
@@ -104,23 +89,10 @@ impl BroadcastServer {
     /// # Errors
     /// When no port can be bound.
     pub async fn start() -> std::io::Result<Self> {
-        let listener = TcpListener::bind("127.0.0.1:0").await?;
-        let addr = listener.local_addr()?;
-        let stop = CancellationToken::new();
         let subscribers: Subscribers = Arc::new(Mutex::new(Vec::new()));
-        let s = stop.clone();
-        tokio::spawn(async move {
-            loop {
-                let stream = tokio::select! {
-                    _ = s.cancelled() => return,
-                    a = listener.accept() => match a {
-                        Ok((stream, _)) => stream,
-                        Err(_) => continue,
-                    },
-                };
-                tokio::spawn(serve_broadcast(stream, subscribers.clone(), s.clone()));
-            }
-        });
+        let (addr, stop) =
+            accept_each(move |stream, stop| serve_broadcast(stream, subscribers.clone(), stop))
+                .await?;
         Ok(Self { addr, stop })
     }
 
@@ -134,6 +106,32 @@ impl Drop for BroadcastServer {
     fn drop(&mut self) {
         self.stop.cancel();
     }
+}
+
+/// Listen on a free loopback port and run `serve` on its own task for every
+/// connection, until the returned token is cancelled.
+async fn accept_each<F, Fut>(serve: F) -> std::io::Result<(SocketAddr, CancellationToken)>
+where
+    F: Fn(TcpStream, CancellationToken) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let stop = CancellationToken::new();
+    let s = stop.clone();
+    tokio::spawn(async move {
+        loop {
+            let stream = tokio::select! {
+                _ = s.cancelled() => return,
+                a = listener.accept() => match a {
+                    Ok((stream, _)) => stream,
+                    Err(_) => continue,
+                },
+            };
+            tokio::spawn(serve(stream, s.clone()));
+        }
+    });
+    Ok((addr, stop))
 }
 
 async fn serve_broadcast(stream: TcpStream, subscribers: Subscribers, stop: CancellationToken) {
