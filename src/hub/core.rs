@@ -207,7 +207,7 @@ impl HubCore {
     ///
     /// # Errors
     /// The store's error when the identity cannot be read or made durable.
-    pub(crate) fn open(
+    pub fn open(
         store: Arc<dyn KvStore>,
         limits: Limits,
         clock: Clock,
