@@ -286,6 +286,51 @@ async fn sends_wait_in_the_outbox_while_the_hub_is_down() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_outbox_holds_sends_back_until_the_hub_takes_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let hub = TestHub::start_at(dir.path(), "127.0.0.1:0", |_| {})
+        .await
+        .unwrap();
+    let addr = hub.addr().to_string();
+    let u = vec![hub.url().to_string()];
+    let mut options = hubsync::testkit::device_options(&u);
+    options.outbox.max_owed = 3;
+    let a = TestDevice::open_with(options).await.unwrap();
+    let b = TestDevice::open(&u).await.unwrap();
+    let mut ib = Inbox::new(&b);
+    let g = group_of(&a, &mut [(&b, &mut ib)], &u).await;
+    converge(&[&a, &b], g).await;
+    // Whatever the group's setup still owed is delivered first, so the
+    // bound below counts only these sends.
+    while a.manager().outbox().owed() > 0 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    hub.stop().await;
+    for n in 0..3 {
+        a.send(g, format!("queued {n}").as_bytes()).await.unwrap();
+    }
+    // Full: try_send says so and sends nothing; send waits.
+    match a.try_send(g, b"refused").await {
+        Err(hubsync::device::DeviceError::OutboxFull { owed: 3, max: 3 }) => {}
+        other => panic!("expected OutboxFull, got {other:?}"),
+    }
+    let waited = tokio::time::timeout(Duration::from_millis(300), a.send(g, b"waited")).await;
+    assert!(waited.is_err(), "send returned while the outbox was full");
+    assert_eq!(a.manager().outbox().pending().unwrap(), 3);
+
+    let hub = TestHub::start_at(dir.path(), &addr, |_| {}).await.unwrap();
+    // Room comes back as the hub takes what is owed; this send then goes.
+    a.send(g, b"after").await.unwrap();
+    ib.until("4 messages", |i| i.got.len() >= 4).await;
+    ib.settle(Duration::from_millis(300)).await;
+    assert_eq!(ib.got.len(), 4);
+    assert!(ib.has(b"after"));
+    assert!(!ib.has(b"refused") && !ib.has(b"waited"));
+    assert!(ib.got.values().all(|(_, _, n)| *n == 1));
+    hub.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hub_restarted_mid_stream_loses_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let h1 = TestHub::start_at(dir.path(), "127.0.0.1:0", |_| {})

@@ -295,10 +295,28 @@ impl Device {
     /// the epoch it was encrypted in.
     /// Durable once this returns: a hub outage only delays it.
     ///
+    /// Backpressure: while the outbox owes its hubs
+    /// [`OutboxConfig::max_owed`] publishes, this waits until they take
+    /// some, so an app sending faster than its hubs accept is slowed to
+    /// their pace and the device's memory and disk stay bounded. Use
+    /// [`Device::try_send`] to be told instead.
+    ///
     /// # Errors
     /// See [`GroupPeerManager::broadcast`].
+    ///
+    /// # Cancel safety
+    /// Cancel safe while it waits for room (nothing is sent then).
     pub async fn send(&self, group: GroupId, body: &[u8]) -> Result<super::Sent, DeviceError> {
-        self.manager.broadcast(group, body).await
+        self.manager.broadcast(group, body, true).await
+    }
+
+    /// As [`Device::send`], but when the outbox is full it answers
+    /// [`DeviceError::OutboxFull`] at once, sending nothing.
+    ///
+    /// # Errors
+    /// `OutboxFull`, and as [`Device::send`].
+    pub async fn try_send(&self, group: GroupId, body: &[u8]) -> Result<super::Sent, DeviceError> {
+        self.manager.broadcast(group, body, false).await
     }
 
     /// Update this device's keys in the group (a self-update commit).

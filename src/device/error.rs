@@ -31,6 +31,17 @@ pub enum DeviceError {
     /// The device was stopped.
     #[error("the device is stopped")]
     Stopped,
+    /// The outbox already owes its hubs as many publishes as it may hold
+    /// ([`crate::device::outbox::OutboxConfig::max_owed`]); nothing was
+    /// sent. Wait (or call [`crate::device::Device::send`], which waits)
+    /// and send again: room comes back as hubs take what is owed.
+    #[error("the outbox is full: {owed} publishes owed, at most {max}")]
+    OutboxFull {
+        /// Publishes owed now.
+        owed: usize,
+        /// The bound.
+        max: usize,
+    },
 }
 
 impl From<RegistryError> for DeviceError {

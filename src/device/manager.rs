@@ -110,6 +110,9 @@ pub struct DeviceStats {
     pub commits: u64,
     /// Commit attempts that lost the race and were rebuilt.
     pub lost_races: u64,
+    /// Publishes the outbox owes its hubs now ([`Outbox::owed`]); sends
+    /// wait once this reaches `OutboxConfig::max_owed`.
+    pub outbox_owed: usize,
 }
 
 #[derive(Default)]
@@ -395,6 +398,7 @@ impl GroupPeerManager {
             poison: r(&c.poison),
             commits: r(&c.commits),
             lost_races: r(&c.lost_races),
+            outbox_owed: self.shared.outbox.owed(),
         }
     }
 

@@ -148,6 +148,15 @@ pub struct OutboxConfig {
     /// At most this many entries of one hub in flight at once, and the page
     /// size of the driver's reads (default 64).
     pub batch: usize,
+    /// The outbox is full once this many entries are owed (default 4,096):
+    /// [`Outbox::wait_for_room`] waits and [`Outbox::has_room`] answers
+    /// `false` until the driver delivers, refuses or expires some. This is
+    /// what bounds a device's memory and disk when an app sends faster than
+    /// its hubs take, or while they are down. Staging itself never refuses,
+    /// so a commit's own publishes are not held up by app traffic; callers
+    /// that produce unbounded work ([`crate::device::Device::send`]) check
+    /// for room first.
+    pub max_owed: usize,
 }
 
 impl Default for OutboxConfig {
@@ -158,6 +167,7 @@ impl Default for OutboxConfig {
             retry_max: Duration::from_secs(30),
             jitter: 0.5,
             batch: 64,
+            max_owed: 4096,
         }
     }
 }
@@ -361,6 +371,11 @@ struct Reservation {
 struct StageState {
     next_seq: u64,
     reserved: BTreeMap<(String, PublishId), Reservation>,
+    /// Entries owed: counted when a new entry is staged, uncounted when the
+    /// driver finishes one. An entry staged into a batch its caller then
+    /// dropped stays counted until the outbox is reopened: the count may run
+    /// high, never low, so the bound holds.
+    owed: usize,
 }
 
 struct Inner {
@@ -370,6 +385,8 @@ struct Inner {
     config: OutboxConfig,
     stage: Mutex<StageState>,
     wake: Notify,
+    /// Woken whenever entries are finished, for [`Outbox::wait_for_room`].
+    room: Notify,
     running: AtomicBool,
     counters: Counters,
 }
@@ -483,6 +500,9 @@ fn validate(config: &OutboxConfig) -> Result<(), OutboxError> {
     if config.batch == 0 {
         return bad("batch must be at least 1");
     }
+    if config.max_owed == 0 {
+        return bad("max_owed must be at least 1");
+    }
     Ok(())
 }
 
@@ -545,14 +565,22 @@ impl Outbox {
         // freed by a deleted entry may be reused, since creation order only
         // matters among entries that exist together.
         let mut next_seq = 0u64;
+        let mut owed = 0usize;
         let end = prefix_end(ENTRY_PREFIX);
         let mut start = ENTRY_PREFIX.to_vec();
         loop {
             let page = kv.range(&start, end.as_deref(), SCAN_PAGE)?;
             let full = page.len() == SCAN_PAGE;
-            for (key, _) in &page {
+            for (key, value) in &page {
                 if let Some((_, seq)) = parse_entry_key(key) {
                     next_seq = next_seq.max(seq.saturating_add(1));
+                    // An entry that does not decode is never sent (the
+                    // driver skips it), so it does not count as owed.
+                    if let Ok(e) = decode_entry(key, value) {
+                        if matches!(e.state, OutboxState::Pending | OutboxState::Sent) {
+                            owed += 1;
+                        }
+                    }
                 }
             }
             match page.last() {
@@ -569,8 +597,10 @@ impl Outbox {
                 stage: Mutex::new(StageState {
                     next_seq,
                     reserved: BTreeMap::new(),
+                    owed,
                 }),
                 wake: Notify::new(),
+                room: Notify::new(),
                 running: AtomicBool::new(false),
                 counters: Counters::default(),
             }),
@@ -638,6 +668,7 @@ impl Outbox {
             None => {
                 let seq = st.next_seq;
                 st.next_seq = seq.saturating_add(1);
+                st.owed = st.owed.saturating_add(1);
                 (seq, inner.clock.now_ms())
             }
         };
@@ -722,7 +753,8 @@ impl Outbox {
         Ok(out)
     }
 
-    /// How many entries are still owed (`Pending` or `Sent`).
+    /// How many entries are still owed (`Pending` or `Sent`), read from the
+    /// store: exact, and a scan of every entry.
     ///
     /// # Errors
     /// As [`Outbox::entries`].
@@ -732,6 +764,57 @@ impl Outbox {
             .iter()
             .filter(|e| matches!(e.state, OutboxState::Pending | OutboxState::Sent))
             .count())
+    }
+
+    /// How many entries are owed, from memory: what the bound of
+    /// [`OutboxConfig::max_owed`] counts. At least [`Outbox::pending`]; more
+    /// only by entries staged into batches that were never applied.
+    pub fn owed(&self) -> usize {
+        lock(&self.inner.stage).owed
+    }
+
+    /// The bound [`OutboxConfig::max_owed`].
+    pub fn max_owed(&self) -> usize {
+        self.inner.config.max_owed
+    }
+
+    /// Whether the outbox has room: fewer than [`OutboxConfig::max_owed`]
+    /// entries are owed.
+    pub fn has_room(&self) -> bool {
+        self.owed() < self.inner.config.max_owed
+    }
+
+    /// Wait until the outbox has room ([`Outbox::has_room`]). Returns at
+    /// once when it has. While the hubs are down this waits until they are
+    /// back, or until entries expire after [`OutboxConfig::max_age`].
+    ///
+    /// # Cancel safety
+    /// Cancel safe: it changes nothing.
+    pub async fn wait_for_room(&self) {
+        loop {
+            // Registered before the check, so a finish between the check
+            // and the wait still wakes this waiter.
+            let notified = self.inner.room.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.has_room() {
+                return;
+            }
+            notified.await;
+        }
+    }
+
+    /// Count `n` owed entries as finished and wake whoever waits for room.
+    fn finished(&self, n: u64) {
+        if n == 0 {
+            return;
+        }
+        let mut st = lock(&self.inner.stage);
+        st.owed = st
+            .owed
+            .saturating_sub(usize::try_from(n).unwrap_or(usize::MAX));
+        drop(st);
+        self.inner.room.notify_waiters();
     }
 
     /// Whether nothing is owed: every entry was delivered, refused or
@@ -961,6 +1044,7 @@ impl Outbox {
             rounds.push(send_round(sink.clone(), hub, due));
         }
         tally.add_to(&inner.counters);
+        self.finished(tally.done + tally.refused + tally.expired);
         Ok(wake_at)
     }
 
@@ -1132,6 +1216,7 @@ impl Outbox {
             inner.kv.apply(&batch)?;
         }
         tally.add_to(&inner.counters);
+        self.finished(tally.done + tally.refused + tally.expired);
         Ok(())
     }
 }
@@ -1685,6 +1770,51 @@ mod tests {
         .await;
         assert_eq!(sink.calls("h").len(), 1);
         assert_eq!(sink.calls("g").len(), 1);
+        stop(driver).await;
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_full_outbox_has_no_room_until_the_driver_finishes_entries() {
+        let clock = Clock::tokio(ORIGIN_MS);
+        let kv = MemKv::new();
+        let config = OutboxConfig {
+            max_owed: 2,
+            ..OutboxConfig::default()
+        };
+        let outbox = open(&kv, &clock, config.clone());
+        outbox.enqueue("h", publish(1)).expect("enqueue");
+        // The same publish again is the same entry: counted once.
+        outbox.enqueue("h", publish(1)).expect("enqueue");
+        assert!(outbox.has_room());
+        outbox.enqueue("h", publish(2)).expect("enqueue");
+        assert_eq!((outbox.owed(), outbox.has_room()), (2, false));
+
+        // The count survives a reopen: it is read back from the store.
+        drop(outbox);
+        let outbox = open(&kv, &clock, config);
+        assert_eq!((outbox.owed(), outbox.pending()), (2, Ok(2)));
+        let waiter = {
+            let ob = outbox.clone();
+            tokio::spawn(async move { ob.wait_for_room().await })
+        };
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!waiter.is_finished(), "no room while nothing is delivered");
+
+        // One refused and one delivered: both finished, both make room.
+        let sink = TestSink::new(&clock);
+        sink.with_hub("h", |h| {
+            h.script.push_back(Answer::Refuse(HubError::NotAuthorized));
+        });
+        let driver = start(&outbox, &sink);
+        wait_until(&clock, "room", Duration::from_secs(1), || {
+            waiter.is_finished()
+        })
+        .await;
+        wait_until(&clock, "drained", Duration::from_secs(1), || {
+            outbox.owed() == 0
+        })
+        .await;
+        assert_eq!(outbox.pending(), Ok(0));
         stop(driver).await;
     }
 

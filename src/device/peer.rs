@@ -822,10 +822,33 @@ impl GroupPeerManager {
     /// Encrypt `body` for the group and queue it durably for every hub of
     /// the group. Answers the message id.
     ///
+    /// With `wait`, first waits while the outbox is full
+    /// ([`Outbox::wait_for_room`](super::outbox::Outbox::wait_for_room));
+    /// without, answers [`DeviceError::OutboxFull`] at once. Either way a
+    /// full outbox stops the message before it is encrypted, so nothing is
+    /// half sent.
+    ///
     /// # Errors
-    /// `UnknownGroup`, MLS or store errors. Hub outages are not errors: the
-    /// outbox delivers once the hub is back.
-    pub async fn broadcast(&self, group: GroupId, body: &[u8]) -> Result<Sent, DeviceError> {
+    /// `UnknownGroup`, `OutboxFull` (without `wait`), MLS or store errors.
+    /// Hub outages are not errors: the outbox delivers once the hub is back.
+    ///
+    /// # Cancel safety
+    /// Cancel safe while it waits for room.
+    pub async fn broadcast(
+        &self,
+        group: GroupId,
+        body: &[u8],
+        wait: bool,
+    ) -> Result<Sent, DeviceError> {
+        let outbox = &self.shared.outbox;
+        if wait {
+            outbox.wait_for_room().await;
+        } else if !outbox.has_room() {
+            return Err(DeviceError::OutboxFull {
+                owed: outbox.owed(),
+                max: outbox.max_owed(),
+            });
+        }
         let mut guard = self.shared.registry.lock(group).await;
         let rec = self.record(group)?;
         let id = self.next_message_id();
