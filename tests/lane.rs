@@ -1164,6 +1164,7 @@ async fn a_member_who_is_not_an_admin_cannot_invite_or_remove_and_nothing_is_pub
 
     tokio::time::sleep(Duration::from_millis(300)).await; // c's key packages
     not_authorized(b.invite(g, c.id()).await, b.id());
+    not_authorized(b.invite_many(g, &[c.id()]).await, b.id());
     not_authorized(b.remove(g, a.id()).await, b.id());
     not_authorized(b.set_setting(g, "name", b"mine").await, b.id());
     not_authorized(b.grant_admin(g, b.id()).await, b.id());
@@ -1189,6 +1190,79 @@ async fn a_member_who_is_not_an_admin_cannot_invite_or_remove_and_nothing_is_pub
             .map(|s| s.value.clone()),
         Some(b"bee".to_vec())
     );
+}
+
+/// `invite_many` adds several devices in one commit: the epoch moves by
+/// one, each joiner hears its Welcome, and everyone agrees on the roster
+/// and the ledger. A list naming a member, or nobody, changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invite_many_adds_several_devices_in_one_commit() {
+    let hubs = hubs(2).await;
+    let u = urls(&hubs);
+    let a = TestDevice::open(&u).await.unwrap();
+    let mut joiners = Vec::new();
+    for _ in 0..3 {
+        joiners.push(TestDevice::open(&u).await.unwrap());
+    }
+    let watches: Vec<Watch> = joiners.iter().map(Watch::new).collect();
+    let g = a.create_group(&u).await.unwrap();
+    let (e, _) = converge(&[&a], g).await;
+    let ids: Vec<DeviceId> = joiners.iter().map(|d| d.id()).collect();
+    let mut asked = ids.clone();
+    asked.push(ids[0]); // named twice, invited once
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let r = loop {
+        match a.invite_many(g, &asked).await {
+            Ok(r) => break r,
+            // Just-opened devices may not have uploaded key packages yet.
+            Err(CommitError::NoKeyPackage(_)) if tokio::time::Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("invite_many failed: {e}"),
+        }
+    };
+    assert_eq!(r.outcome.epoch, e + 1, "one commit for all three");
+    for w in &watches {
+        w.until(
+            "the welcome",
+            |ev| matches!(ev, Event::GroupJoined { group, .. } if *group == g),
+        )
+        .await;
+    }
+    let all: Vec<&TestDevice> = std::iter::once(&a).chain(joiners.iter()).collect();
+    let (e1, _) = agree(&all, g).await;
+    assert_eq!(e1, e + 1);
+    let mut members = a.members(g).await.unwrap();
+    members.sort();
+    let mut want: Vec<DeviceId> = ids.clone();
+    want.push(a.id());
+    want.sort();
+    assert_eq!(members, want);
+    let invited = a
+        .ledger(g)
+        .unwrap()
+        .iter()
+        .filter(|en| en.kind == EntryType::MemberInvite)
+        .count();
+    assert_eq!(invited, 3, "one member.invite entry per joiner");
+    joiners[2].send(g, b"from the last joiner").await.unwrap();
+    for w in &watches[..2] {
+        w.until_message(g, b"from the last joiner").await;
+    }
+
+    let outsider = TestDevice::open(&u).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await; // its key packages
+    match a.invite_many(g, &[outsider.id(), ids[1]]).await {
+        Err(CommitError::AlreadyMember { device, .. }) => assert_eq!(device, ids[1]),
+        other => panic!("expected AlreadyMember, got {other:?}"),
+    }
+    assert!(matches!(
+        a.invite_many(g, &[]).await,
+        Err(CommitError::NoInvitees(_))
+    ));
+    let (e2, _) = agree(&all, g).await;
+    assert_eq!(e2, e1, "a refused invite_many commits nothing");
+    assert!(!a.members(g).await.unwrap().contains(&outsider.id()));
 }
 
 /// An admin can make a member an admin, who can then invite; once revoked,

@@ -187,6 +187,19 @@ impl Device {
         self.manager.invite(group, device).await
     }
 
+    /// Invite several devices into a group in one commit (admins only);
+    /// all or nothing.
+    ///
+    /// # Errors
+    /// See [`GroupPeerManager::invite_many`].
+    pub async fn invite_many(
+        &self,
+        group: GroupId,
+        devices: &[DeviceId],
+    ) -> Result<LaneResult, CommitError> {
+        self.manager.invite_many(group, devices).await
+    }
+
     /// Remove a device from a group (admins only).
     ///
     /// # Errors

@@ -116,27 +116,66 @@ impl GroupPeerManager {
         group: GroupId,
         device: DeviceId,
     ) -> Result<LaneResult, CommitError> {
-        if self.members(group).await?.contains(&device) {
-            return Err(CommitError::AlreadyMember { group, device });
+        self.invite_many(group, &[device]).await
+    }
+
+    /// Invite every device of `devices` in one commit: a `member.invite`
+    /// entry for each (this device must be an admin), one MLS commit adding
+    /// them all, and one Welcome, posted to each joiner's Welcome topic once
+    /// the commit landed. Forming a group of N this way costs one commit
+    /// instead of N-1, and the other members process one commit, not N-1.
+    ///
+    /// All or nothing: when any device cannot be added, nobody is. A device
+    /// named twice is invited once. Key packages are claimed on all of them
+    /// at once before the commit is built; those claimed for a call that
+    /// then fails are used up (each device keeps a stock, and a last-resort
+    /// one).
+    ///
+    /// # Errors
+    /// `NoInvitees` for an empty list, `AlreadyMember` for the first device
+    /// already in the group, `NoKeyPackage` for the first device without a
+    /// valid key package, and as [`GroupPeerManager::invite`].
+    pub async fn invite_many(
+        &self,
+        group: GroupId,
+        devices: &[DeviceId],
+    ) -> Result<LaneResult, CommitError> {
+        let mut unique: Vec<DeviceId> = Vec::with_capacity(devices.len());
+        for d in devices {
+            if !unique.contains(d) {
+                unique.push(*d);
+            }
         }
-        let entry = self.sign_entry(
-            EntryType::MemberInvite,
-            group,
-            device.0.to_vec(),
-            Vec::new(),
-        );
-        let (rec, _) = self.check_entries(group, std::slice::from_ref(&entry))?;
+        if unique.is_empty() {
+            return Err(CommitError::NoInvitees(group));
+        }
+        let members = self.members(group).await?;
+        if let Some(device) = unique.iter().find(|d| members.contains(d)) {
+            return Err(CommitError::AlreadyMember {
+                group,
+                device: *device,
+            });
+        }
+        let entries: Vec<Entry> = unique
+            .iter()
+            .map(|d| self.sign_entry(EntryType::MemberInvite, group, d.0.to_vec(), Vec::new()))
+            .collect();
+        let (rec, _) = self.check_entries(group, &entries)?;
         if rec.hubs.is_empty() {
             return Err(CommitError::NoHubs(group));
         }
-        let kp = self.claim_key_package(&rec, device).await?;
+        // Claimed all at once: the requests share the links and are
+        // answered in one round trip's time, not one per invitee.
+        let kps =
+            futures::future::try_join_all(unique.iter().map(|d| self.claim_key_package(&rec, *d)))
+                .await?;
         self.commit_plan(
             group,
             Plan {
                 kind: CommitKind::Invite,
                 op: self.op_id(),
-                entries: vec![entry],
-                add: Some((device, kp)),
+                entries,
+                add: unique.into_iter().zip(kps).collect(),
                 remove: None,
                 redriven: false,
             },
@@ -216,7 +255,7 @@ impl GroupPeerManager {
                 kind: CommitKind::Remove,
                 op: self.op_id(),
                 entries: vec![entry],
-                add: None,
+                add: Vec::new(),
                 remove: Some(device),
                 redriven: false,
             },
@@ -236,7 +275,7 @@ impl GroupPeerManager {
                 kind: CommitKind::Rotate,
                 op: self.op_id(),
                 entries: Vec::new(),
-                add: None,
+                add: Vec::new(),
                 remove: None,
                 redriven: false,
             },
@@ -265,7 +304,7 @@ impl GroupPeerManager {
                 kind: CommitKind::Ledger,
                 op: self.op_id(),
                 entries,
-                add: None,
+                add: Vec::new(),
                 remove: None,
                 redriven: false,
             },

@@ -112,10 +112,10 @@ pub struct MergedCommit {
     /// change moves the group on only after it).
     #[serde(default)]
     pub commit_seed: Option<[u8; 32]>,
-    /// The Welcome this device posted for the member the commit added, so
-    /// a hub that loses it can be given it again.
+    /// The Welcomes this device posted for the members the commit added
+    /// (one per joiner), so a hub that loses them can be given them again.
     #[serde(default)]
-    pub welcome: Option<crate::wire::Publish>,
+    pub welcomes: Vec<crate::wire::Publish>,
 }
 
 /// Merged commits remembered per group.
@@ -217,7 +217,7 @@ impl GroupRecord {
         let keep_from = self.merged.len().saturating_sub(PAYLOADS_KEPT);
         for k in &mut self.merged[..keep_from] {
             k.payload = Vec::new();
-            k.welcome = None;
+            k.welcomes = Vec::new();
         }
     }
 

@@ -37,8 +37,9 @@ pub(crate) struct Plan {
     pub op: [u8; 16],
     /// Ledger entries it enacts, signed by their author.
     pub entries: Vec<Entry>,
-    /// The validated key package of the device an invite adds.
-    pub add: Option<(DeviceId, KeyPackage)>,
+    /// The validated key packages of the devices an invite adds (several
+    /// in one commit for `invite_many`).
+    pub add: Vec<(DeviceId, KeyPackage)>,
     /// The device a remove removes.
     pub remove: Option<DeviceId>,
     /// This plan is the one re-drive of a lost ledger commit.
@@ -59,7 +60,7 @@ impl Plan {
             kind: CommitKind::Ledger,
             op,
             entries,
-            add: None,
+            add: Vec::new(),
             remove: None,
             redriven: true,
         }
@@ -73,8 +74,8 @@ pub(crate) const REDRIVE: BuildLedgerRedrive = Plan::redrive;
 pub(crate) struct Built {
     /// The frame published on the commit topic.
     pub payload: Vec<u8>,
-    /// The Welcome for an invite's joiner.
-    pub welcome: Option<(DeviceId, Vec<u8>)>,
+    /// The Welcome for an invite's joiners (one Welcome for all of them).
+    pub welcome: Option<(Vec<DeviceId>, Vec<u8>)>,
     /// Whether the roster changes.
     pub roster: bool,
     /// The entries, encoded.
@@ -212,7 +213,7 @@ pub(crate) fn build(
         ),
         None => None,
     };
-    if let Some((device, _)) = &plan.add {
+    for (device, _) in &plan.add {
         if g.members()
             .any(|m| device_id_of(&m.credential) == Some(*device))
         {
@@ -248,8 +249,8 @@ pub(crate) fn build(
     };
     g.set_aad(enacted_aad(&ids));
     let mut cb = g.commit_builder();
-    if let Some((_, kp)) = &plan.add {
-        cb = cb.propose_adds([kp.clone()]);
+    if !plan.add.is_empty() {
+        cb = cb.propose_adds(plan.add.iter().map(|(_, kp)| kp.clone()));
     }
     if let Some(leaf) = remove {
         cb = cb.propose_removals([leaf]);
@@ -273,9 +274,9 @@ pub(crate) fn build(
     let mls = commit
         .tls_serialize_detached()
         .map_err(|e| CommitError::Mls(e.to_string()))?;
-    let welcome = match (&plan.add, welcome) {
-        (Some((device, _)), Some(w)) => Some((
-            *device,
+    let welcome = match welcome {
+        Some(w) if !plan.add.is_empty() => Some((
+            plan.add.iter().map(|(d, _)| *d).collect(),
             w.tls_serialize_detached()
                 .map_err(|e| CommitError::Mls(e.to_string()))?,
         )),
@@ -284,7 +285,7 @@ pub(crate) fn build(
     Ok(Built {
         payload: CommitFrame::encode(&mls, &sealed),
         welcome,
-        roster: plan.add.is_some() || plan.remove.is_some(),
+        roster: !plan.add.is_empty() || plan.remove.is_some(),
         entries: encoded,
     })
 }

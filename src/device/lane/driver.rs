@@ -233,7 +233,7 @@ impl GroupPeerManager {
             },
             payload: built.payload,
             roster: built.roster,
-            subject: plan.add.as_ref().map(|(d, _)| *d).or(plan.remove),
+            subject: plan.add.first().map(|(d, _)| *d).or(plan.remove),
             welcome: built.welcome,
             entries: built.entries,
             accepted: None,

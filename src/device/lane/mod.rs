@@ -114,8 +114,9 @@ pub struct JournalEntry {
     pub roster: bool,
     /// The device an invite adds or a remove removes.
     pub subject: Option<DeviceId>,
-    /// Who the commit adds, and the Welcome to send them once it landed.
-    pub welcome: Option<(DeviceId, Vec<u8>)>,
+    /// Who the commit adds, and the one Welcome to send each of them once
+    /// it landed.
+    pub welcome: Option<(Vec<DeviceId>, Vec<u8>)>,
     /// The ledger entries it enacts, encoded.
     pub entries: Vec<Vec<u8>>,
     /// Set, durably, as soon as the hub's acceptance is known and before
@@ -159,6 +160,9 @@ pub enum CommitError {
     /// own device) could be claimed on the group's hubs.
     #[error("no key package for {0} on the group's hubs")]
     NoKeyPackage(DeviceId),
+    /// `invite_many` was given no device to invite.
+    #[error("nobody to invite into group {0}")]
+    NoInvitees(GroupId),
     /// An invite needs a hub the invitee can reach: bind one first.
     #[error("group {0} has no hub bound; bind one before inviting")]
     NoHubs(GroupId),

@@ -619,7 +619,7 @@ impl GroupPeerManager {
         // may be gone with the store: post them again (the same publish id;
         // a joiner that already joined ignores a repeat).
         for k in &rec.merged {
-            if let Some(w) = &k.welcome {
+            for w in &k.welcomes {
                 self.shared
                     .outbox
                     .stage(&mut b, hub, w)
@@ -852,7 +852,7 @@ impl GroupPeerManager {
                 seq: m.seq,
                 digest: digest(&m.payload),
                 payload: m.payload.clone(),
-                welcome: None,
+                welcomes: Vec::new(),
                 entries: entries.iter().map(Entry::encode).collect(),
                 folded,
                 roster,
@@ -969,11 +969,13 @@ impl GroupPeerManager {
         guard.merge_pending()?;
         let mut b = WriteBatch::new();
         self.shared.records.clear_journal(&mut b, &rec.id);
-        let mut welcome = None;
-        if let Some((joiner, w)) = &j.welcome {
+        let mut welcomes = Vec::new();
+        if let Some((joiners, w)) = &j.welcome {
             let mut all = self.ledger_entries(rec.id)?;
             all.extend(j.entries.iter().filter_map(|e| Entry::decode(e).ok()));
-            welcome = Some(self.stage_welcome(guard, &mut b, rec, seq, *joiner, w, &all)?);
+            for joiner in joiners {
+                welcomes.push(self.stage_welcome(guard, &mut b, rec, seq, *joiner, w, &all)?);
+            }
         }
         self.land_merged(
             guard,
@@ -984,7 +986,7 @@ impl GroupPeerManager {
                 seq,
                 digest: digest(&j.payload),
                 payload: j.payload.clone(),
-                welcome,
+                welcomes,
                 entries: j.entries.clone(),
                 folded: None,
                 roster: j.roster,
@@ -1014,7 +1016,7 @@ impl GroupPeerManager {
             seq: Some(l.seq),
             payload: l.payload,
             commit_seed: Some(rec.commit_seed),
-            welcome: l.welcome,
+            welcomes: l.welcomes,
         });
         let ledger_changed = !l.entries.is_empty() && rec.ledger_complete;
         if ledger_changed {
@@ -1188,7 +1190,7 @@ struct Landing<'a> {
     seq: u64,
     digest: [u8; 32],
     payload: Vec<u8>,
-    welcome: Option<crate::wire::Publish>,
+    welcomes: Vec<crate::wire::Publish>,
     /// The ledger with these entries applied, when the checks already
     /// folded it (so it is not folded twice).
     folded: Option<LedgerState>,
