@@ -16,6 +16,7 @@ use super::flush::GroupCommit;
 use super::layout::{self as l, DeliveryRef, DeviceMeta, DeviceUsage, ExpiryKind, KeyPackageMeta};
 use super::layout::{PublishRecord, StoredFrame, Subscription, TopicMeta};
 use super::limits::{Limits, RateKey, RateLimiter};
+use super::rules::{self, Attempt, Decision, TopicView};
 use crate::clock::Clock;
 use crate::kv::{KvError, KvStore, WriteBatch};
 use crate::rng::SharedRng;
@@ -345,52 +346,63 @@ impl HubCore {
             })
         };
 
-        // 1. Idempotency, before the CAS: a replay always carries a stale head.
+        // The rules of DESIGN.md section 2 over what the store holds for
+        // this topic; the write lock held since the reads makes the
+        // decision and the writes one atomic step.
         let record_key = l::publish_record(&p.topic, &p.publish_id);
-        if let Some(rec) = self.read::<PublishRecord>(&record_key)? {
-            if rec.digest == digest {
-                self.counters.duplicates.fetch_add(1, Ordering::Relaxed);
-                return answer(PublishOutcome::Duplicate { seq: rec.seq });
-            }
-            self.counters.conflicts.fetch_add(1, Ordering::Relaxed);
-            return Err(HubError::Conflict { seq: rec.seq });
-        }
-        // Rate limits count new work only: a retry answered from the
-        // idempotency record above costs no token, so a replay after an
-        // outage is never refused as rate limited.
-        let mut keys = vec![RateKey::Device(&sender), RateKey::Topic(&p.topic)];
-        if let Some(owner) = &owner {
-            keys.push(RateKey::Mailbox {
-                sender: &sender,
-                owner,
-            });
-        }
-        self.rate.check_all(&keys)?;
-        if p.replay_only {
-            self.counters
-                .history_missing
-                .fetch_add(1, Ordering::Relaxed);
-            return answer(PublishOutcome::HistoryMissing);
-        }
-
-        // 2. Compare-and-set on the head.
+        let record = self.read::<PublishRecord>(&record_key)?;
         let meta_key = l::topic_meta(&p.topic);
         let mut meta: TopicMeta = self.read(&meta_key)?.unwrap_or_default();
-        let cas_ok = match p.expected_head {
-            ExpectedHead::Unconditional => true,
-            ExpectedHead::Empty => meta.head.is_none(),
-            ExpectedHead::Seq(s) => meta.head == Some(s),
-        };
-        if !cas_ok {
-            self.counters
-                .head_mismatches
-                .fetch_add(1, Ordering::Relaxed);
-            return answer(PublishOutcome::HeadMismatch { current: meta.head });
+        let decision = rules::decide(
+            TopicView {
+                record: record.as_ref(),
+                meta: Some(&meta),
+            },
+            Attempt {
+                digest,
+                expected_head: p.expected_head,
+                replay_only: p.replay_only,
+            },
+        );
+        // Rate limits count new work only: a retry answered from the
+        // idempotency record costs no token, so a replay after an outage
+        // is never refused as rate limited.
+        if decision.is_new_work() {
+            let mut keys = vec![RateKey::Device(&sender), RateKey::Topic(&p.topic)];
+            if let Some(owner) = &owner {
+                keys.push(RateKey::Mailbox {
+                    sender: &sender,
+                    owner,
+                });
+            }
+            self.rate.check_all(&keys)?;
         }
+        let seq = match decision {
+            Decision::Duplicate { seq } => {
+                self.counters.duplicates.fetch_add(1, Ordering::Relaxed);
+                return answer(PublishOutcome::Duplicate { seq });
+            }
+            Decision::Conflict { seq } => {
+                self.counters.conflicts.fetch_add(1, Ordering::Relaxed);
+                return Err(HubError::Conflict { seq });
+            }
+            Decision::HistoryMissing => {
+                self.counters
+                    .history_missing
+                    .fetch_add(1, Ordering::Relaxed);
+                return answer(PublishOutcome::HistoryMissing);
+            }
+            Decision::HeadMismatch { current } => {
+                self.counters
+                    .head_mismatches
+                    .fetch_add(1, Ordering::Relaxed);
+                return answer(PublishOutcome::HeadMismatch { current });
+            }
+            Decision::Append { seq } => seq,
+        };
 
-        // 3. Sequence, append, deliveries, head.
+        // Append: sequence, frame, deliveries, head.
         let now = self.clock.now_ms();
-        let seq = meta.last_seq + 1;
         meta.last_seq = seq;
         let mut batch = WriteBatch::new();
         let record_expiry = now.saturating_add(self.limits.max_retention.as_millis() as u64);

@@ -8,6 +8,7 @@ mod core;
 mod flush;
 mod layout;
 mod limits;
+mod rules;
 mod server;
 
 #[cfg(test)]
@@ -20,6 +21,21 @@ pub use self::layout::DeviceUsage;
 pub use self::limits::{Limits, Rate};
 /// The hub's storage trait: the crate's one key-value trait, so the
 /// simulation's crash-semantics store and sled serve the hub alike.
+///
+/// What the hub's guarantees rest on, over any implementation:
+/// - **The compare-and-set is atomic** because [`HubCore`] reads a topic's
+///   view (its idempotency record and head), decides with the pure publish
+///   rules, and applies every write of the outcome as one batch, all under
+///   one write lock of the core: no other publish to any topic runs
+///   between the read and the apply. So one core owns its store; two cores
+///   (two processes) over one store would need the store itself to make
+///   the read-decide-write step one transaction, which is what a shared
+///   SQL store will have to provide.
+/// - **Atomic on crash**: a batch lands whole or not at all
+///   ([`KvStore::apply`]).
+/// - **Durable when answered**: nothing is answered, and no delivery is
+///   pushed, before a flush covering its batch has returned (group commit:
+///   one flush covers every batch applied while the previous flush ran).
 pub use crate::kv::KvStore as HubStore;
 
 use crate::clock::Clock;
