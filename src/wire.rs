@@ -124,7 +124,7 @@ pub const WRITER_PUBLISH_DOMAIN: &[u8] = b"hubsync-publish-v1\0";
 ///
 /// Every other byte string is an ordinary topic.
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-pub struct TopicId(pub Vec<u8>);
+pub struct TopicId(#[serde(with = "serde_bytes")] pub Vec<u8>);
 
 impl TopicId {
     /// The raw bytes.
@@ -244,6 +244,7 @@ pub struct Publish {
     /// How long to keep the frame; `None` takes the hub's default.
     pub retention_secs: Option<u64>,
     /// The opaque payload.
+    #[serde(with = "serde_bytes")]
     pub payload: Vec<u8>,
     /// The writer key's proof, required on a writer-bound topic
     /// ([`TopicId::writer_bound`]) and ignored on any other.
@@ -256,6 +257,7 @@ pub struct WriterProof {
     /// The ed25519 public key the topic's name binds.
     pub key: [u8; 32],
     /// ed25519 signature over [`writer_message`] of the publish (64 bytes).
+    #[serde(with = "serde_bytes")]
     pub signature: Vec<u8>,
 }
 
@@ -363,6 +365,7 @@ pub struct LogFrame {
     /// The hub's wall clock at acceptance, in ms since the Unix epoch.
     pub published_at_ms: u64,
     /// The opaque payload.
+    #[serde(with = "serde_bytes")]
     pub payload: Vec<u8>,
 }
 
@@ -399,6 +402,7 @@ pub struct Delivery {
     /// The hub's wall clock at acceptance, in ms since the Unix epoch.
     pub published_at_ms: u64,
     /// The opaque payload.
+    #[serde(with = "serde_bytes")]
     pub payload: Vec<u8>,
 }
 
@@ -492,6 +496,7 @@ pub enum Response {
     /// Answer to `ClaimKeyPackage`.
     KeyPackage {
         /// The package bytes.
+        #[serde(with = "serde_bytes")]
         package: Vec<u8>,
         /// True when the pool was empty and this is the reusable last resort.
         last_resort: bool,
@@ -736,6 +741,7 @@ pub struct Auth {
     /// The expiry from the challenge.
     pub expires_at_ms: u64,
     /// ed25519 signature over [`auth_message`] (64 bytes).
+    #[serde(with = "serde_bytes")]
     pub signature: Vec<u8>,
 }
 

@@ -239,6 +239,7 @@ pub(crate) struct StoredFrame {
     pub publish_id: PublishId,
     pub published_at_ms: u64,
     pub expires_at_ms: u64,
+    #[serde(with = "serde_bytes")]
     pub payload: Vec<u8>,
     /// Mailbox only: recipients that still hold it.
     pub remaining: u32,
