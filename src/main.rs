@@ -61,6 +61,14 @@ struct BenchArgs {
     /// Slices per side of each pair.
     #[arg(long)]
     rounds: Option<usize>,
+    /// Only these kinds of pair, comma-separated: cas, fanout, app, nats
+    /// (all of them by default).
+    #[arg(long, value_delimiter = ',')]
+    pairs: Option<Vec<hubsync::bench::PairKind>>,
+    /// The nats-server binary of the NATS pairs (a path, or a name looked
+    /// up on PATH); without one they are reported as not measured.
+    #[arg(long)]
+    nats_server: Option<PathBuf>,
 }
 
 impl BenchArgs {
@@ -87,6 +95,12 @@ impl BenchArgs {
         }
         if let Some(r) = self.rounds {
             o.rounds = r.max(1);
+        }
+        if let Some(p) = &self.pairs {
+            o.pairs = p.clone();
+        }
+        if let Some(n) = &self.nats_server {
+            o.nats_server = n.clone();
         }
         o
     }

@@ -8,27 +8,84 @@
 //! their totals next to the figures. Nothing here asserts a time: the
 //! figures are for people and for docs/performance.md.
 //!
-//! The pairs measured now:
-//! - durable compare-and-set publishes, each publisher on its own topic,
-//!   against a raw tokio-tungstenite echo of the same bytes;
-//! - fan-out from one publisher to N subscribers through the hub, against
-//!   a raw tokio-tungstenite broadcast of the same frames;
-//! - an application message end to end in a group of N devices, against
-//!   raw OpenMLS encryption, every receiver's decryption and a WebSocket
-//!   round trip of the ciphertext.
+//! The pairs measured now (`--pairs` picks kinds by the name in brackets):
+//! - [cas] durable compare-and-set publishes, each publisher on its own
+//!   topic, against a raw tokio-tungstenite echo of the same bytes;
+//! - [fanout] fan-out from one publisher to N subscribers through the hub,
+//!   against a raw tokio-tungstenite broadcast of the same frames;
+//! - [app] an application message end to end in a group of N devices,
+//!   against raw OpenMLS encryption, every receiver's decryption and a
+//!   WebSocket round trip of the ciphertext;
+//! - [nats] the performance issue's pair (g): the same compare-and-set
+//!   publishes against NATS JetStream's (`Nats-Expected-Last-Subject-Sequence`,
+//!   file storage), once with the server's default sync (acks before fsync)
+//!   and once with `sync_interval: always` (every ack after its fsync, as the
+//!   hub flushes before each ack; nats-server 2.10 or later), and the hub's
+//!   fan-out against core NATS fan-out at each N. The bench starts
+//!   `nats-server` itself; where it is not installed, or too old for an
+//!   option, the report lists those pairs as not measured.
 
 mod app;
 mod load;
+mod nats;
 pub mod raw;
 mod report;
 
-pub use report::{Figure, Report, Row};
+pub use nats::NatsError;
+pub use report::{Figure, NotMeasured, Report, Row};
 
 use crate::hub::Limits;
 use crate::testkit::{signing_key, TestHub};
 use load::Slice;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
+
+/// A kind of pair `hubsync bench` can run; each kind runs at every size its
+/// options give (every subscriber count, every group size).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PairKind {
+    /// Durable compare-and-set publishes against a raw WebSocket echo.
+    Cas,
+    /// Fan-out against a raw WebSocket broadcast.
+    Fanout,
+    /// An application message end to end against raw OpenMLS.
+    App,
+    /// Pair (g): compare-and-set publishes against NATS JetStream and
+    /// fan-out against core NATS.
+    Nats,
+}
+
+impl PairKind {
+    /// Every kind, in the order a run measures them.
+    pub const ALL: [PairKind; 4] = [
+        PairKind::Cas,
+        PairKind::Fanout,
+        PairKind::App,
+        PairKind::Nats,
+    ];
+
+    /// The name `--pairs` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            PairKind::Cas => "cas",
+            PairKind::Fanout => "fanout",
+            PairKind::App => "app",
+            PairKind::Nats => "nats",
+        }
+    }
+}
+
+impl std::str::FromStr for PairKind {
+    type Err = String;
+
+    /// A kind from its [`PairKind::name`].
+    fn from_str(s: &str) -> Result<Self, String> {
+        PairKind::ALL
+            .into_iter()
+            .find(|k| k.name() == s)
+            .ok_or_else(|| format!("unknown pair {s:?} (cas, fanout, app or nats)"))
+    }
+}
 
 /// What to measure, and how long.
 #[derive(Clone, Debug)]
@@ -49,6 +106,12 @@ pub struct BenchOptions {
     pub out: PathBuf,
     /// Draw a progress bar on stderr (hidden when stderr is not a terminal).
     pub progress: bool,
+    /// The kinds of pair to run (all of them unless narrowed).
+    pub pairs: Vec<PairKind>,
+    /// The nats-server binary of the NATS pairs: a path, or a name looked
+    /// up on PATH. When there is none, those pairs are reported as not
+    /// measured.
+    pub nats_server: PathBuf,
 }
 
 impl BenchOptions {
@@ -64,6 +127,8 @@ impl BenchOptions {
             rounds: 5,
             out,
             progress: true,
+            pairs: PairKind::ALL.to_vec(),
+            nats_server: PathBuf::from("nats-server"),
         }
     }
 
@@ -79,6 +144,8 @@ impl BenchOptions {
             rounds: 1,
             out,
             progress: false,
+            pairs: PairKind::ALL.to_vec(),
+            nats_server: PathBuf::from("nats-server"),
         }
     }
 }
@@ -101,6 +168,10 @@ pub enum BenchError {
     /// The report could not be written.
     #[error("cannot write the report: {0}")]
     Report(#[from] std::io::Error),
+    /// nats-server could not be started or set up for a NATS pair, or
+    /// answered something that is not the protocol.
+    #[error("NATS baseline: {0}")]
+    Nats(#[from] NatsError),
 }
 
 /// Run every pair, write the report into `opts.out` (report.md,
@@ -109,18 +180,32 @@ pub enum BenchError {
 /// # Errors
 /// As [`BenchError`]; nothing is written for a failed run.
 pub async fn run(opts: &BenchOptions) -> Result<Report, BenchError> {
-    let steps = (1 + opts.subscribers.len() + opts.members.len()) * opts.rounds * 2;
-    let bar = progress_bar(opts.progress, steps as u64);
+    let has = |k: PairKind| opts.pairs.contains(&k);
+    let pairs = usize::from(has(PairKind::Cas))
+        + usize::from(has(PairKind::Fanout)) * opts.subscribers.len()
+        + usize::from(has(PairKind::App)) * opts.members.len()
+        + usize::from(has(PairKind::Nats)) * (2 + opts.subscribers.len());
+    let bar = progress_bar(opts.progress, (pairs * opts.rounds * 2) as u64);
     let mut rows = Vec::new();
-    rows.push(cas_pair(opts, &bar).await?);
-    for &n in &opts.subscribers {
-        rows.push(fanout_pair(opts, n, &bar).await?);
+    let mut not_measured = Vec::new();
+    if has(PairKind::Cas) {
+        rows.push(cas_pair(opts, &bar).await?);
     }
-    for &n in &opts.members {
-        rows.push(app_pair(opts, n, &bar).await?);
+    if has(PairKind::Fanout) {
+        for &n in &opts.subscribers {
+            rows.push(fanout_pair(opts, n, &bar).await?);
+        }
+    }
+    if has(PairKind::App) {
+        for &n in &opts.members {
+            rows.push(app_pair(opts, n, &bar).await?);
+        }
+    }
+    if has(PairKind::Nats) {
+        nats_pairs(opts, &bar, &mut rows, &mut not_measured).await?;
     }
     bar.finish_and_clear();
-    let report = Report::new(rows, opts);
+    let report = Report::new(rows, not_measured, opts);
     report.write(&opts.out)?;
     Ok(report)
 }
@@ -316,5 +401,168 @@ async fn app_pair(
         // The issue's target is on latency (at most 1.5 times the raw
         // work); one message at a time, the rate ratio is its inverse.
         Some(1.0 / 1.5),
+    ))
+}
+
+/// Pair (g): the hub against NATS. Pushes a row per measured pair and a
+/// [`NotMeasured`] per pair this machine's nats-server cannot run.
+async fn nats_pairs(
+    opts: &BenchOptions,
+    bar: &indicatif::ProgressBar,
+    rows: &mut Vec<Row>,
+    not_measured: &mut Vec<NotMeasured>,
+) -> Result<(), BenchError> {
+    let steps = (opts.rounds * 2) as u64;
+    let cas_work = |against: &str| {
+        format!(
+            "durable CAS publishes, {} publishers, own topics, {} B, vs {against}",
+            opts.publishers, opts.payload
+        )
+    };
+    let default_work = cas_work("JetStream, default sync (acks before fsync)");
+    let always_work = cas_work("JetStream, sync_interval: always (every ack after its fsync)");
+    let fanout_work = |n: usize| {
+        format!(
+            "fan-out, 1 publisher to {n} subscribers, {} B, vs core NATS",
+            opts.payload
+        )
+    };
+    let Some(binary) = nats::locate(&opts.nats_server) else {
+        let reason = format!("{} not installed", opts.nats_server.display());
+        not_measured.push(NotMeasured::new(default_work, &reason, None));
+        not_measured.push(NotMeasured::new(always_work, &reason, Some(1.0)));
+        for &n in &opts.subscribers {
+            not_measured.push(NotMeasured::new(fanout_work(n), &reason, Some(1.0)));
+        }
+        bar.inc(steps * (2 + opts.subscribers.len() as u64));
+        return Ok(());
+    };
+    let version = nats::server_version(&binary).await;
+    rows.push(
+        jetstream_pair(
+            opts,
+            bar,
+            &binary,
+            &version,
+            nats::Durability::DefaultSync,
+            default_work,
+        )
+        .await?,
+    );
+    match jetstream_pair(
+        opts,
+        bar,
+        &binary,
+        &version,
+        nats::Durability::SyncAlways,
+        always_work.clone(),
+    )
+    .await
+    {
+        Ok(row) => rows.push(row),
+        // Debian's nats-server is 2.9: `sync_interval` came in 2.10. That
+        // is this machine's limit, not a failure of the run.
+        Err(BenchError::Nats(NatsError::Unsupported(said))) => {
+            not_measured.push(NotMeasured::new(
+                always_work,
+                &format!(
+                    "nats-server {version} cannot fsync before each ack ({said}; \
+                     sync_interval: always needs 2.10 or later)"
+                ),
+                Some(1.0),
+            ));
+            bar.inc(steps);
+        }
+        Err(e) => return Err(e),
+    }
+    for &n in &opts.subscribers {
+        rows.push(core_fanout_pair(opts, n, bar, &binary, &version, fanout_work(n)).await?);
+    }
+    Ok(())
+}
+
+/// The hub's durable compare-and-set publishes against JetStream's, each
+/// publisher on its own topic / subject, one publish at a time.
+async fn jetstream_pair(
+    opts: &BenchOptions,
+    bar: &indicatif::ProgressBar,
+    binary: &Path,
+    version: &str,
+    durability: nats::Durability,
+    work: String,
+) -> Result<Row, BenchError> {
+    // NATS first: a server that cannot run this durability ends the pair
+    // before the hub is set up for nothing.
+    let server = nats::NatsServer::start(binary, durability).await?;
+    let mut js = nats::JetStreamCas::start(&server, opts.publishers).await?;
+    let hub = bench_hub().await?;
+    let pubs = clients(&hub, 1, opts.publishers).await?;
+    let (payload, len) = (opts.payload, opts.slice);
+    let (b, h) = alternate(
+        &work,
+        opts.rounds,
+        bar,
+        async || nats::jetstream_cas(&mut js, payload, len).await,
+        async || load::cas_publishes(&pubs, payload, len).await,
+    )
+    .await?;
+    hub.stop().await;
+    drop(js);
+    drop(server);
+    let (unit, target) = match durability {
+        nats::Durability::DefaultSync => (
+            format!("publishes/s (JetStream {version}, file storage, acks before fsync)"),
+            // The issue's target is against acks after the flush only.
+            None,
+        ),
+        nats::Durability::SyncAlways => (
+            format!("publishes/s (JetStream {version}, file storage, every ack after its fsync)"),
+            Some(1.0),
+        ),
+    };
+    Ok(Row::new(
+        work,
+        Figure::rate("publishes/s", &h),
+        Figure::rate(&unit, &b),
+        target,
+    ))
+}
+
+/// The hub's fan-out to `n` subscribers (the same side as
+/// [`fanout_pair`]'s) against core NATS fan-out to `n` subscribers.
+async fn core_fanout_pair(
+    opts: &BenchOptions,
+    n: usize,
+    bar: &indicatif::ProgressBar,
+    binary: &Path,
+    version: &str,
+    work: String,
+) -> Result<Row, BenchError> {
+    let server = nats::NatsServer::start(binary, nats::Durability::DefaultSync).await?;
+    let nats_subs = nats::CoreSubscribers::start(&server, n).await?;
+    let mut nats_pub = nats::fanout_publisher(&server).await?;
+    let hub = bench_hub().await?;
+    let publisher = clients(&hub, 1_000_000, 1).await?.remove(0);
+    let subs = load::HubSubscribers::start(clients(&hub, 2_000_000, n).await?)
+        .await
+        .map_err(BenchError::Setup)?;
+    let (payload, len) = (opts.payload, opts.slice);
+    let (b, h) = alternate(
+        &work,
+        opts.rounds,
+        bar,
+        async || nats::core_fanout(&mut nats_pub, &nats_subs, payload, len).await,
+        async || load::hub_fanout(&publisher, &subs, payload, len).await,
+    )
+    .await?;
+    drop(subs);
+    hub.stop().await;
+    drop(nats_subs);
+    drop(server);
+    Ok(Row::new(
+        work,
+        Figure::rate("deliveries/s", &h),
+        Figure::rate(&format!("deliveries/s (core NATS {version})"), &b),
+        Some(1.0),
     ))
 }

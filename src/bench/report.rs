@@ -123,11 +123,36 @@ impl Row {
     }
 }
 
+/// A pair this run could not measure on this machine (a baseline's server
+/// is missing or lacks an option), and why: listed in the report so that
+/// its absence is visible rather than silent.
+#[derive(Clone, Debug, Serialize)]
+pub struct NotMeasured {
+    /// What would have been measured.
+    pub work: String,
+    /// Why it was not.
+    pub reason: String,
+    /// The ratio docs/performance.md aims for, where it names one.
+    pub target: Option<f64>,
+}
+
+impl NotMeasured {
+    pub(super) fn new(work: String, reason: &str, target: Option<f64>) -> Self {
+        NotMeasured {
+            work,
+            reason: reason.to_string(),
+            target,
+        }
+    }
+}
+
 /// Every pair of one run.
 #[derive(Clone, Debug, Serialize)]
 pub struct Report {
     /// The pairs, in the order they ran.
     pub rows: Vec<Row>,
+    /// The pairs that could not be measured here, after the measured ones.
+    pub not_measured: Vec<NotMeasured>,
     /// Cores the machine offered this process.
     pub cores: usize,
     /// Slices per side of each pair.
@@ -137,9 +162,10 @@ pub struct Report {
 }
 
 impl Report {
-    pub(super) fn new(rows: Vec<Row>, opts: &BenchOptions) -> Self {
+    pub(super) fn new(rows: Vec<Row>, not_measured: Vec<NotMeasured>, opts: &BenchOptions) -> Self {
         Report {
             rows,
+            not_measured,
             cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
             rounds: opts.rounds,
             slice_ms: opts.slice.as_millis() as u64,
@@ -168,6 +194,14 @@ impl Report {
                 target
             );
         }
+        for m in &self.not_measured {
+            let target = m.target.map_or("-".to_string(), |t| format!("≥ {t:.2}"));
+            let _ = writeln!(
+                s,
+                "| {} | not measured: {} | - | - | {} |",
+                m.work, m.reason, target
+            );
+        }
         s
     }
 
@@ -176,7 +210,7 @@ impl Report {
         let bar_h = 28;
         let label_w = 420;
         let plot_w = 360;
-        let h = 40 + bar_h * self.rows.len() as i64 + 30;
+        let h = 40 + bar_h * self.rows.len() as i64 + 20 * self.not_measured.len() as i64 + 30;
         let max = self
             .rows
             .iter()
@@ -223,11 +257,21 @@ impl Report {
                 );
             }
         }
+        let plot_end = 40 + bar_h * self.rows.len() as i64;
+        for (i, m) in self.not_measured.iter().enumerate() {
+            let _ = writeln!(
+                s,
+                "<text x=\"10\" y=\"{}\" fill=\"#888\">not measured: {} ({})</text>",
+                plot_end + 14 + 20 * i as i64,
+                xml_escape(&m.work),
+                xml_escape(&m.reason)
+            );
+        }
         let _ = writeln!(
             s,
             "<line x1=\"{0:.1}\" x2=\"{0:.1}\" y1=\"36\" y2=\"{1}\" stroke=\"#888\" stroke-dasharray=\"4 3\"/>",
             x(1.0),
-            h - 24
+            plot_end + 6
         );
         let _ = writeln!(
             s,
