@@ -33,6 +33,10 @@ enum Command {
     /// Measure hubsync against raw baselines in the same run (see
     /// docs/performance.md).
     Bench(BenchArgs),
+    /// A raw tokio-tungstenite echo server on a free loopback port, until
+    /// killed: the baseline process of the bench's memory pair.
+    #[command(hide = true)]
+    BenchRawServer,
 }
 
 #[derive(clap::Args)]
@@ -69,6 +73,18 @@ struct BenchArgs {
     /// up on PATH); without one they are reported as not measured.
     #[arg(long)]
     nats_server: Option<PathBuf>,
+    /// Group sizes of the commit pairs, comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    commit_members: Option<Vec<usize>>,
+    /// Group sizes of the forming pairs, comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    form_members: Option<Vec<usize>>,
+    /// Commits the catching-up device is behind.
+    #[arg(long)]
+    behind: Option<usize>,
+    /// Idle devices connected for the memory pair.
+    #[arg(long)]
+    idle_devices: Option<usize>,
 }
 
 impl BenchArgs {
@@ -102,8 +118,33 @@ impl BenchArgs {
         if let Some(n) = &self.nats_server {
             o.nats_server = n.clone();
         }
+        if let Some(m) = &self.commit_members {
+            o.commit_members = m.clone();
+        }
+        if let Some(m) = &self.form_members {
+            o.form_members = m.clone();
+        }
+        if let Some(k) = self.behind {
+            o.behind = k;
+        }
+        if let Some(n) = self.idle_devices {
+            o.idle_devices = n;
+        }
         o
     }
+}
+
+async fn raw_server() -> Result<(), String> {
+    let server = hubsync::bench::raw::EchoServer::start()
+        .await
+        .map_err(|e| format!("cannot listen: {e}"))?;
+    // The bench reads this line to learn the port.
+    println!(
+        "raw echo listening on {}",
+        server.url().trim_start_matches("ws://")
+    );
+    std::future::pending::<()>().await;
+    Ok(())
 }
 
 async fn bench(args: &BenchArgs) -> Result<(), String> {
@@ -166,7 +207,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     // The demo narrates on stdout; its logs stay quiet unless asked for.
     let default = match cli.command {
-        Command::Demo | Command::Bench(_) => "warn",
+        Command::Demo | Command::Bench(_) | Command::BenchRawServer => "warn",
         Command::Hub(_) => "info",
     };
     tracing_subscriber::fmt()
@@ -187,6 +228,7 @@ fn main() -> ExitCode {
         Command::Hub(args) => rt.block_on(run_hub(args)),
         Command::Demo => rt.block_on(demo::run()),
         Command::Bench(args) => rt.block_on(bench(&args)),
+        Command::BenchRawServer => rt.block_on(raw_server()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -26,7 +26,9 @@
 //!   option, the report lists those pairs as not measured.
 
 mod app;
+mod commit;
 mod load;
+mod memory;
 mod nats;
 pub mod raw;
 mod report;
@@ -53,15 +55,29 @@ pub enum PairKind {
     /// Pair (g): compare-and-set publishes against NATS JetStream and
     /// fan-out against core NATS.
     Nats,
+    /// Pair (a): a commit until every member merged it, against raw
+    /// OpenMLS.
+    Commit,
+    /// Pair (e): a device far behind catching up, against raw OpenMLS.
+    CatchUp,
+    /// Pair (h): forming a group of N in one invite, against raw OpenMLS.
+    Form,
+    /// Pair (f): the hub's memory per idle connected device, against a raw
+    /// WebSocket server's per connection.
+    Memory,
 }
 
 impl PairKind {
     /// Every kind, in the order a run measures them.
-    pub const ALL: [PairKind; 4] = [
+    pub const ALL: [PairKind; 8] = [
         PairKind::Cas,
         PairKind::Fanout,
         PairKind::App,
         PairKind::Nats,
+        PairKind::Commit,
+        PairKind::CatchUp,
+        PairKind::Form,
+        PairKind::Memory,
     ];
 
     /// The name `--pairs` takes.
@@ -71,6 +87,10 @@ impl PairKind {
             PairKind::Fanout => "fanout",
             PairKind::App => "app",
             PairKind::Nats => "nats",
+            PairKind::Commit => "commit",
+            PairKind::CatchUp => "catchup",
+            PairKind::Form => "form",
+            PairKind::Memory => "memory",
         }
     }
 }
@@ -83,7 +103,10 @@ impl std::str::FromStr for PairKind {
         PairKind::ALL
             .into_iter()
             .find(|k| k.name() == s)
-            .ok_or_else(|| format!("unknown pair {s:?} (cas, fanout, app or nats)"))
+            .ok_or_else(|| {
+                let names: Vec<&str> = PairKind::ALL.iter().map(|k| k.name()).collect();
+                format!("unknown pair {s:?} ({})", names.join(", "))
+            })
     }
 }
 
@@ -112,6 +135,14 @@ pub struct BenchOptions {
     /// up on PATH. When there is none, those pairs are reported as not
     /// measured.
     pub nats_server: PathBuf,
+    /// Group sizes of the commit pairs (a), one pair each.
+    pub commit_members: Vec<usize>,
+    /// Group sizes of the forming pairs (h), one pair each.
+    pub form_members: Vec<usize>,
+    /// How many commits behind the catching-up device of pair (e) is.
+    pub behind: usize,
+    /// Idle devices connected for the memory pair (f).
+    pub idle_devices: usize,
 }
 
 impl BenchOptions {
@@ -129,6 +160,10 @@ impl BenchOptions {
             progress: true,
             pairs: PairKind::ALL.to_vec(),
             nats_server: PathBuf::from("nats-server"),
+            commit_members: vec![10, 100],
+            form_members: vec![10, 100],
+            behind: 1000,
+            idle_devices: 10_000,
         }
     }
 
@@ -146,6 +181,10 @@ impl BenchOptions {
             progress: false,
             pairs: PairKind::ALL.to_vec(),
             nats_server: PathBuf::from("nats-server"),
+            commit_members: vec![3],
+            form_members: vec![3],
+            behind: 5,
+            idle_devices: 20,
         }
     }
 }
@@ -184,7 +223,11 @@ pub async fn run(opts: &BenchOptions) -> Result<Report, BenchError> {
     let pairs = usize::from(has(PairKind::Cas))
         + usize::from(has(PairKind::Fanout)) * opts.subscribers.len()
         + usize::from(has(PairKind::App)) * opts.members.len()
-        + usize::from(has(PairKind::Nats)) * (2 + opts.subscribers.len());
+        + usize::from(has(PairKind::Nats)) * (2 + opts.subscribers.len())
+        + usize::from(has(PairKind::Commit)) * opts.commit_members.len()
+        + usize::from(has(PairKind::CatchUp))
+        + usize::from(has(PairKind::Form)) * opts.form_members.len()
+        + usize::from(has(PairKind::Memory));
     let bar = progress_bar(opts.progress, (pairs * opts.rounds * 2) as u64);
     let mut rows = Vec::new();
     let mut not_measured = Vec::new();
@@ -203,6 +246,33 @@ pub async fn run(opts: &BenchOptions) -> Result<Report, BenchError> {
     }
     if has(PairKind::Nats) {
         nats_pairs(opts, &bar, &mut rows, &mut not_measured).await?;
+    }
+    if has(PairKind::Commit) {
+        for &n in &opts.commit_members {
+            rows.push(commit_pair(opts, n, &bar).await?);
+        }
+    }
+    if has(PairKind::CatchUp) {
+        rows.push(catch_up_pair(opts, &bar).await?);
+    }
+    if has(PairKind::Form) {
+        for &n in &opts.form_members {
+            rows.push(form_pair(opts, n, &bar).await?);
+        }
+    }
+    if has(PairKind::Memory) {
+        match memory::hubsync_exe() {
+            Some(exe) => rows.push(memory_pair(opts, &exe, &bar).await?),
+            None => {
+                not_measured.push(NotMeasured::new(
+                    memory_work(opts),
+                    "the hub and raw servers run as processes of the hubsync binary: \
+                     run it as `hubsync bench`",
+                    None,
+                ));
+                bar.inc((opts.rounds * 2) as u64);
+            }
+        }
     }
     bar.finish_and_clear();
     let report = Report::new(rows, not_measured, opts);
@@ -564,5 +634,168 @@ async fn core_fanout_pair(
         Figure::rate("deliveries/s", &h),
         Figure::rate(&format!("deliveries/s (core NATS {version})"), &b),
         Some(1.0),
+    ))
+}
+
+/// Pair (a): `rotate_keys` in a group of `n` until every member merged it,
+/// against the raw OpenMLS work of the same commit.
+async fn commit_pair(
+    opts: &BenchOptions,
+    n: usize,
+    bar: &indicatif::ProgressBar,
+) -> Result<Row, BenchError> {
+    let n = n.max(2);
+    let work = format!("commit (rotate_keys) until all {n} members merged, group of {n}");
+    let hub = bench_hub().await?;
+    let group = app::HubGroup::form(&hub, n)
+        .await
+        .map_err(|e| BenchError::Setup(format!("hub group: {e}")))?;
+    let mut raw_group = app::RawGroup::form(n)
+        .await
+        .map_err(|e| BenchError::Setup(format!("raw group: {e}")))?;
+    let len = opts.slice;
+    let (b, h) = alternate(
+        &work,
+        opts.rounds,
+        bar,
+        async || commit::raw_commits(&mut raw_group, len).await,
+        async || commit::hub_commits(&group, len).await,
+    )
+    .await?;
+    group.close().await;
+    hub.stop().await;
+    Ok(Row::new(
+        work,
+        Figure::rate("commits/s", &h),
+        Figure::rate(
+            "commits/s (OpenMLS commit + merge, every receiver's process + merge)",
+            &b,
+        ),
+        // The target is on time (at most 1.25 times the raw work); one
+        // commit at a time, the rate ratio is its inverse.
+        Some(1.0 / 1.25),
+    ))
+}
+
+/// Pair (e): a device `opts.behind` commits behind catching up, against
+/// raw OpenMLS processing the same number of commits.
+async fn catch_up_pair(
+    opts: &BenchOptions,
+    bar: &indicatif::ProgressBar,
+) -> Result<Row, BenchError> {
+    let k = opts.behind.max(1);
+    let work = format!("a device {k} commits behind, from reopening until it merged the last");
+    let hub = bench_hub().await?;
+    let mut group = app::HubGroup::form(&hub, 2)
+        .await
+        .map_err(|e| BenchError::Setup(format!("hub group: {e}")))?;
+    let mut raw_group = app::RawGroup::form(2)
+        .await
+        .map_err(|e| BenchError::Setup(format!("raw group: {e}")))?;
+    let len = opts.slice;
+    let (b, h) = alternate(
+        &work,
+        opts.rounds,
+        bar,
+        async || commit::raw_catch_up(&mut raw_group, k, len).await,
+        async || commit::hub_catch_up(&mut group, k, len).await,
+    )
+    .await?;
+    group.close().await;
+    hub.stop().await;
+    Ok(Row::new(
+        work,
+        Figure::rate("catch-ups/s", &h),
+        Figure::rate("catch-ups/s (OpenMLS process + merge of each commit)", &b),
+        Some(0.9),
+    ))
+}
+
+/// Pair (h): forming a group of `n` (create, one `invite_many`, every
+/// joiner joined) against the raw OpenMLS work of the same.
+async fn form_pair(
+    opts: &BenchOptions,
+    n: usize,
+    bar: &indicatif::ProgressBar,
+) -> Result<Row, BenchError> {
+    let n = n.max(2);
+    let work = format!("forming a group of {n} (create + invite_many of {})", n - 1);
+    let hub = bench_hub().await?;
+    let group = app::HubGroup::form(&hub, n)
+        .await
+        .map_err(|e| BenchError::Setup(format!("hub group: {e}")))?;
+    let len = opts.slice;
+    let (b, h) = alternate(
+        &work,
+        opts.rounds,
+        bar,
+        async || commit::raw_forming(n, len).await,
+        async || commit::hub_forming(&group, len).await,
+    )
+    .await?;
+    group.close().await;
+    hub.stop().await;
+    Ok(Row::new(
+        work,
+        Figure::rate("groups/s", &h),
+        Figure::rate(
+            "groups/s (OpenMLS create + add all in one commit + every Welcome)",
+            &b,
+        ),
+        Some(1.0 / 1.5),
+    ))
+}
+
+fn memory_work(opts: &BenchOptions) -> String {
+    format!(
+        "resident memory per idle connected device, {} devices",
+        opts.idle_devices
+    )
+}
+
+/// Pair (f): the hub's resident memory per idle connected device against a
+/// raw WebSocket server's per idle connection, each server a process of
+/// its own, measured `opts.rounds` times each. Reported as devices held
+/// per MiB, so that, like every other row, higher is better.
+async fn memory_pair(
+    opts: &BenchOptions,
+    exe: &Path,
+    bar: &indicatif::ProgressBar,
+) -> Result<Row, BenchError> {
+    let work = memory_work(opts);
+    let n = opts.idle_devices.max(1);
+    let fail = |reason: String| BenchError::Work {
+        work: work.clone(),
+        reason,
+    };
+    let (mut hub, mut raw) = (Vec::new(), Vec::new());
+    bar.set_message(work.clone());
+    for _ in 0..opts.rounds {
+        raw.push(memory::raw_per_connection(exe, n).await.map_err(fail)?);
+        bar.inc(1);
+        hub.push(memory::hub_per_device(exe, n).await.map_err(fail)?);
+        bar.inc(1);
+    }
+    let figure = |unit: &str, per: &[memory::PerConnection]| {
+        let rates: Vec<f64> = per
+            .iter()
+            .map(|p| (1 << 20) as f64 / p.bytes_per_connection.max(1.0))
+            .collect();
+        let mean_bytes =
+            per.iter().map(|p| p.bytes_per_connection).sum::<f64>() / per.len().max(1) as f64;
+        Figure {
+            unit: format!("{unit} per MiB ({:.1} KiB each)", mean_bytes / 1024.0),
+            rate: (1 << 20) as f64 / mean_bytes.max(1.0),
+            p50_us: None,
+            p99_us: None,
+            slice_rates: rates,
+        }
+    };
+    Ok(Row::new(
+        work,
+        figure("idle devices", &hub),
+        figure("idle connections (tokio-tungstenite)", &raw),
+        // The target is absolute (at most 64 KiB per device), not a ratio.
+        None,
     ))
 }

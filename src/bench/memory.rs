@@ -1,0 +1,196 @@
+//! Pair (f): the hub's memory per idle connected device, against a raw
+//! tokio-tungstenite server's per idle connection.
+//!
+//! Both servers run as processes of their own (this binary's `hub` and its
+//! hidden `bench-raw-server`), so what is read is theirs alone: the
+//! resident set (`VmRSS` in `/proc/<pid>/status`) after one connection and
+//! after `n` more, divided by `n`. A hub device is idle the way a real
+//! one is between messages: authenticated, subscribed to its Welcome topic,
+//! with its receive stream open. A raw connection is open and has echoed
+//! one frame.
+
+use crate::client::{ClientOptions, HubClient};
+use crate::testkit::signing_key;
+use crate::transport::NetConnector;
+use crate::wire::TopicId;
+use futures::{SinkExt, StreamExt};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+use tokio_tungstenite::tungstenite::Message;
+
+/// Connections opened at once while filling a server: below the hub's
+/// default `max_unauthenticated` (256), so none is refused for that.
+const CONNECT_AT_ONCE: usize = 128;
+
+/// How long a server has to settle (allocator, buffers) before a reading.
+const SETTLE: Duration = Duration::from_millis(500);
+
+/// A server process, killed when dropped.
+struct Server {
+    child: Child,
+    addr: String,
+}
+
+impl Server {
+    /// Start `exe args…` and read its address from the first stdout line
+    /// that says `listening on ADDR`.
+    async fn start(exe: &Path, args: &[&str]) -> Result<Server, String> {
+        let mut child = Command::new(exe)
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| format!("cannot start {}: {e}", exe.display()))?;
+        let stdout = child
+            .stdout
+            .take()
+            .ok_or_else(|| "no stdout from the server".to_string())?;
+        let mut lines = BufReader::new(stdout).lines();
+        let read = async {
+            while let Some(line) = lines.next_line().await.map_err(|e| e.to_string())? {
+                if let Some(rest) = line.split("listening on ").nth(1) {
+                    let addr = rest.split_whitespace().next().unwrap_or_default();
+                    return Ok(addr.to_string());
+                }
+            }
+            Err("the server exited before it listened".to_string())
+        };
+        let addr = tokio::time::timeout(Duration::from_secs(30), read)
+            .await
+            .map_err(|_| "the server did not say where it listens".to_string())??;
+        Ok(Server { child, addr })
+    }
+
+    /// The resident set of the process, in bytes.
+    fn rss(&self) -> Result<u64, String> {
+        let pid = self
+            .child
+            .id()
+            .ok_or_else(|| "the server exited".to_string())?;
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
+            .map_err(|e| format!("cannot read the server's memory: {e}"))?;
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|kb| kb.parse::<u64>().ok())
+            .map(|kb| kb * 1024)
+            .ok_or_else(|| "no VmRSS in the server's status".to_string())
+    }
+}
+
+/// Resident bytes a server added per connection, once `n` connections
+/// beyond a first are idle.
+#[derive(Clone, Copy, Debug)]
+pub struct PerConnection {
+    /// Resident bytes added per connection beyond the first.
+    pub bytes_per_connection: f64,
+}
+
+fn per_connection(base: u64, after: u64, n: usize) -> PerConnection {
+    PerConnection {
+        bytes_per_connection: after.saturating_sub(base) as f64 / n.max(1) as f64,
+    }
+}
+
+/// The hub side: this binary's `hub` with `n` idle devices connected.
+///
+/// # Errors
+/// When the hub cannot be started or a device cannot connect.
+pub async fn hub_per_device(exe: &Path, n: usize) -> Result<PerConnection, String> {
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let data = dir.path().join("hub");
+    let data = data.to_string_lossy();
+    let hub = Server::start(
+        exe,
+        &["hub", "--listen", "127.0.0.1:0", "--data", data.as_ref()],
+    )
+    .await?;
+    let url = format!("ws://{}", hub.addr);
+    let connector = NetConnector::default();
+    let connect = |i: u64| {
+        let (url, connector) = (url.clone(), connector.clone());
+        async move {
+            let key = signing_key(1_000_000 + i);
+            let c = HubClient::connect(&connector, &url, &key, ClientOptions::default())
+                .await
+                .map_err(|e| format!("device {i}: {e}"))?;
+            let welcome = TopicId::mailbox(&c.device());
+            c.subscribe(&welcome, None)
+                .await
+                .map_err(|e| format!("device {i} subscribe: {e}"))?;
+            c.receive(0)
+                .await
+                .map_err(|e| format!("device {i} receive: {e}"))?;
+            Ok::<_, String>(c)
+        }
+    };
+    let first = connect(0).await?;
+    tokio::time::sleep(SETTLE).await;
+    let base = hub.rss()?;
+    let mut devices = Vec::with_capacity(n);
+    let mut next = 1u64;
+    while devices.len() < n {
+        let batch = (n - devices.len()).min(CONNECT_AT_ONCE);
+        let opened =
+            futures::future::try_join_all((0..batch as u64).map(|k| connect(next + k))).await?;
+        next += batch as u64;
+        devices.extend(opened);
+    }
+    tokio::time::sleep(SETTLE).await;
+    let after = hub.rss()?;
+    for d in devices.iter().chain(std::iter::once(&first)) {
+        d.close();
+    }
+    drop(hub);
+    Ok(per_connection(base, after, n))
+}
+
+/// The baseline: this binary's `bench-raw-server` with `n` idle WebSocket
+/// connections, each having echoed one frame.
+///
+/// # Errors
+/// When the server cannot be started or a connection fails.
+pub async fn raw_per_connection(exe: &Path, n: usize) -> Result<PerConnection, String> {
+    let server = Server::start(exe, &["bench-raw-server"]).await?;
+    let url = format!("ws://{}", server.addr);
+    let connect = |_: usize| {
+        let url = url.clone();
+        async move {
+            let mut ws = super::raw::dial(&url).await?;
+            ws.send(Message::binary(vec![1u8; 64]))
+                .await
+                .map_err(|e| e.to_string())?;
+            match ws.next().await {
+                Some(Ok(Message::Binary(_))) => Ok(ws),
+                other => Err(format!("no echo: {other:?}")),
+            }
+        }
+    };
+    let first = connect(0).await?;
+    tokio::time::sleep(SETTLE).await;
+    let base = server.rss()?;
+    let mut sockets = Vec::with_capacity(n);
+    while sockets.len() < n {
+        let batch = (n - sockets.len()).min(CONNECT_AT_ONCE);
+        sockets.extend(futures::future::try_join_all((0..batch).map(connect)).await?);
+    }
+    tokio::time::sleep(SETTLE).await;
+    let after = server.rss()?;
+    drop(sockets);
+    drop(first);
+    drop(server);
+    Ok(per_connection(base, after, n))
+}
+
+/// This binary, when it is `hubsync` (a test or an embedding program is
+/// not, and cannot serve as the hub process).
+pub fn hubsync_exe() -> Option<PathBuf> {
+    let exe = std::env::current_exe().ok()?;
+    let name = exe.file_stem()?.to_str()?;
+    (name == "hubsync").then_some(exe)
+}
