@@ -458,11 +458,16 @@ impl State {
 
     fn buffer(&mut self, d: Delivery) {
         if self.pending_total >= BUFFER_CAPACITY {
-            tracing::warn!(
-                topic = ?d.topic,
-                id = d.id,
-                "delivery buffer full; dropping unacked, a resync will fetch it again"
-            );
+            // Said once per topic until its resync: a device far behind
+            // can overflow by thousands of frames, each of which the
+            // resync fetches again.
+            if !self.dropped.contains(&d.topic) {
+                tracing::warn!(
+                    topic = ?d.topic,
+                    id = d.id,
+                    "delivery buffer full; dropping unacked, a resync will fetch them again"
+                );
+            }
             self.dropped.insert(d.topic);
             return;
         }
