@@ -85,6 +85,16 @@ struct BenchArgs {
     /// Idle devices connected for the memory pair.
     #[arg(long)]
     idle_devices: Option<usize>,
+    /// Groups of the sustained load, each with its own sender.
+    #[arg(long)]
+    load_groups: Option<usize>,
+    /// Members of each group of the sustained load.
+    #[arg(long)]
+    load_members: Option<usize>,
+    /// The sustained load's first offered rate (messages/s); each step
+    /// doubles it.
+    #[arg(long)]
+    load_start: Option<f64>,
 }
 
 impl BenchArgs {
@@ -129,6 +139,15 @@ impl BenchArgs {
         }
         if let Some(n) = self.idle_devices {
             o.idle_devices = n;
+        }
+        if let Some(n) = self.load_groups {
+            o.load_groups = n;
+        }
+        if let Some(n) = self.load_members {
+            o.load_members = n;
+        }
+        if let Some(r) = self.load_start {
+            o.load_start = r;
         }
         o
     }

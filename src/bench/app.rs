@@ -38,6 +38,9 @@ pub(super) struct Receipts {
     joined: Mutex<HashMap<GroupId, usize>>,
     /// (group, epoch) → devices that merged into that epoch.
     merged: Mutex<HashMap<(GroupId, u64), usize>>,
+    /// While `recording`: every message arrival and when it was.
+    arrivals: Mutex<Vec<([u8; 16], Instant)>>,
+    recording: std::sync::atomic::AtomicBool,
     changed: Notify,
 }
 
@@ -83,7 +86,15 @@ impl HubGroup {
             let r = receipts.clone();
             o.manager.observer = Some(Observer(Arc::new(move |e: &Event| {
                 match e {
-                    Event::MessageReceived { id, .. } => bump(&r.seen, *id),
+                    Event::MessageReceived { id, .. } => {
+                        if r.recording.load(std::sync::atomic::Ordering::Relaxed) {
+                            r.arrivals
+                                .lock()
+                                .unwrap_or_else(|p| p.into_inner())
+                                .push((*id, Instant::now()));
+                        }
+                        bump(&r.seen, *id)
+                    }
                     Event::GroupJoined { group, .. } => bump(&r.joined, *group),
                     Event::EpochChanged { group, epoch } => bump(&r.merged, (*group, *epoch)),
                     _ => return,
@@ -243,6 +254,38 @@ impl HubGroup {
                 return Err(());
             }
         }
+    }
+
+    /// Record every message arrival from now on (or stop, and forget what
+    /// was recorded).
+    pub(super) fn record_arrivals(&self, on: bool) {
+        self.receipts
+            .recording
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+        if !on {
+            self.take_arrivals();
+        }
+        self.receipts
+            .seen
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
+    }
+
+    /// The arrivals recorded since the last call.
+    pub(super) fn take_arrivals(&self) -> Vec<([u8; 16], Instant)> {
+        std::mem::take(
+            &mut *self
+                .receipts
+                .arrivals
+                .lock()
+                .unwrap_or_else(|p| p.into_inner()),
+        )
+    }
+
+    /// The first device, which sends.
+    pub(super) fn sender(&self) -> &Device {
+        &self.devices[0]
     }
 
     /// Close every device.

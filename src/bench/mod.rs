@@ -32,9 +32,11 @@ mod memory;
 mod nats;
 pub mod raw;
 mod report;
+mod sustained;
 
 pub use nats::NatsError;
 pub use report::{Figure, NotMeasured, Report, Row};
+pub use sustained::LoadStep;
 
 use crate::hub::Limits;
 use crate::testkit::{signing_key, TestHub};
@@ -65,11 +67,13 @@ pub enum PairKind {
     /// Pair (f): the hub's memory per idle connected device, against a raw
     /// WebSocket server's per connection.
     Memory,
+    /// Pair (d): sustained load on many groups at rising offered load.
+    Sustained,
 }
 
 impl PairKind {
     /// Every kind, in the order a run measures them.
-    pub const ALL: [PairKind; 8] = [
+    pub const ALL: [PairKind; 9] = [
         PairKind::Cas,
         PairKind::Fanout,
         PairKind::App,
@@ -78,6 +82,7 @@ impl PairKind {
         PairKind::CatchUp,
         PairKind::Form,
         PairKind::Memory,
+        PairKind::Sustained,
     ];
 
     /// The name `--pairs` takes.
@@ -91,6 +96,7 @@ impl PairKind {
             PairKind::CatchUp => "catchup",
             PairKind::Form => "form",
             PairKind::Memory => "memory",
+            PairKind::Sustained => "sustained",
         }
     }
 }
@@ -143,6 +149,15 @@ pub struct BenchOptions {
     pub behind: usize,
     /// Idle devices connected for the memory pair (f).
     pub idle_devices: usize,
+    /// Groups of the sustained load (d), each with its own sender.
+    pub load_groups: usize,
+    /// Members of each group of the sustained load.
+    pub load_members: usize,
+    /// The first step's offered load, in messages per second; each next
+    /// step doubles it.
+    pub load_start: f64,
+    /// Steps at most (the steps also end once p99 passes 50 ms).
+    pub load_steps: usize,
 }
 
 impl BenchOptions {
@@ -164,6 +179,10 @@ impl BenchOptions {
             form_members: vec![10, 100],
             behind: 1000,
             idle_devices: 10_000,
+            load_groups: 10,
+            load_members: 5,
+            load_start: 50.0,
+            load_steps: 8,
         }
     }
 
@@ -185,6 +204,10 @@ impl BenchOptions {
             form_members: vec![3],
             behind: 5,
             idle_devices: 20,
+            load_groups: 2,
+            load_members: 3,
+            load_start: 20.0,
+            load_steps: 2,
         }
     }
 }
@@ -227,7 +250,8 @@ pub async fn run(opts: &BenchOptions) -> Result<Report, BenchError> {
         + usize::from(has(PairKind::Commit)) * opts.commit_members.len()
         + usize::from(has(PairKind::CatchUp))
         + usize::from(has(PairKind::Form)) * opts.form_members.len()
-        + usize::from(has(PairKind::Memory));
+        + usize::from(has(PairKind::Memory))
+        + usize::from(has(PairKind::Sustained)) * opts.load_steps.div_ceil(2);
     let bar = progress_bar(opts.progress, (pairs * opts.rounds * 2) as u64);
     let mut rows = Vec::new();
     let mut not_measured = Vec::new();
@@ -274,8 +298,14 @@ pub async fn run(opts: &BenchOptions) -> Result<Report, BenchError> {
             }
         }
     }
+    let load = if has(PairKind::Sustained) {
+        sustained_load(opts, &bar).await?
+    } else {
+        Vec::new()
+    };
     bar.finish_and_clear();
-    let report = Report::new(rows, not_measured, opts);
+    let mut report = Report::new(rows, not_measured, opts);
+    report.load = load;
     report.write(&opts.out)?;
     Ok(report)
 }
@@ -798,4 +828,54 @@ async fn memory_pair(
         // The target is absolute (at most 64 KiB per device), not a ratio.
         None,
     ))
+}
+
+/// Pair (d): `opts.load_groups` groups of `opts.load_members` devices on one
+/// hub, offered load doubling from `opts.load_start` messages per second
+/// until the 99th percentile latency passes 50 ms, deliveries fall short,
+/// or `opts.load_steps` steps ran.
+async fn sustained_load(
+    opts: &BenchOptions,
+    bar: &indicatif::ProgressBar,
+) -> Result<Vec<LoadStep>, BenchError> {
+    let work = format!(
+        "sustained load, {} groups of {} on one hub",
+        opts.load_groups, opts.load_members
+    );
+    bar.set_message(work.clone());
+    let hub = bench_hub().await?;
+    let mut groups = Vec::with_capacity(opts.load_groups);
+    for _ in 0..opts.load_groups.max(1) {
+        groups.push(
+            app::HubGroup::form(&hub, opts.load_members.max(2))
+                .await
+                .map_err(|e| BenchError::Setup(format!("hub group: {e}")))?,
+        );
+    }
+    let mut steps = Vec::new();
+    let mut offered = opts.load_start.max(1.0);
+    for i in 0..opts.load_steps.max(1) {
+        let step = sustained::step(&groups, offered, opts.slice)
+            .await
+            .map_err(|reason| BenchError::Work {
+                work: work.clone(),
+                reason,
+            })?;
+        if i % 2 == 1 {
+            bar.inc(1);
+        }
+        let past = step.p99_us > sustained::P99_LIMIT.as_micros() as u64
+            // Saturated: what was due did not arrive within the drain.
+            || step.deliveries * 10 < step.expected * 9;
+        steps.push(step);
+        if past {
+            break;
+        }
+        offered *= 2.0;
+    }
+    for g in groups {
+        g.close().await;
+    }
+    hub.stop().await;
+    Ok(steps)
 }

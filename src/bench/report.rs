@@ -159,6 +159,8 @@ pub struct Report {
     pub rounds: usize,
     /// Length of one slice in milliseconds.
     pub slice_ms: u64,
+    /// The sustained-load steps (pair (d)), in the order they ran.
+    pub load: Vec<super::LoadStep>,
 }
 
 impl Report {
@@ -169,6 +171,7 @@ impl Report {
             cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
             rounds: opts.rounds,
             slice_ms: opts.slice.as_millis() as u64,
+            load: Vec::new(),
         }
     }
 
@@ -201,6 +204,29 @@ impl Report {
                 "| {} | not measured: {} | - | - | {} |",
                 m.work, m.reason, target
             );
+        }
+        if !self.load.is_empty() {
+            s.push_str(
+                "\nSustained load (one step per row; target: at least 5,000 deliveries/s \
+                 with p99 under 50 ms):\n\n",
+            );
+            s.push_str(
+                "| offered messages/s | sent | deliveries (due) | deliveries/s | p50 | p99 |\n",
+            );
+            s.push_str("|---|---|---|---|---|---|\n");
+            for l in &self.load {
+                let _ = writeln!(
+                    s,
+                    "| {} | {} | {} ({}) | {} | {} | {} |",
+                    group_digits(l.offered),
+                    l.sent,
+                    l.deliveries,
+                    l.expected,
+                    group_digits(l.deliveries_per_sec),
+                    ms(l.p50_us),
+                    ms(l.p99_us)
+                );
+            }
         }
         s
     }
