@@ -1260,6 +1260,18 @@ async fn invite_many_adds_several_devices_in_one_commit() {
         a.invite_many(g, &[]).await,
         Err(CommitError::NoInvitees(_))
     ));
+    let crowd: Vec<DeviceId> = (0..=hubsync::device::lane::MAX_INVITEES as u32)
+        .map(|i| {
+            let mut id = [0u8; 32];
+            id[..4].copy_from_slice(&i.to_be_bytes());
+            DeviceId(id)
+        })
+        .collect();
+    assert!(matches!(
+        a.invite_many(g, &crowd).await,
+        Err(CommitError::TooManyInvitees { count, max })
+            if count == crowd.len() && max == hubsync::device::lane::MAX_INVITEES
+    ));
     let (e2, _) = agree(&all, g).await;
     assert_eq!(e2, e1, "a refused invite_many commits nothing");
     assert!(!a.members(g).await.unwrap().contains(&outsider.id()));

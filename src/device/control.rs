@@ -18,9 +18,13 @@ use super::registry::GroupGuard;
 use super::topics;
 use crate::kv::WriteBatch;
 use crate::wire::{DeviceId, ExpectedHead, Publish, RetentionClass};
+use futures::{StreamExt as _, TryStreamExt as _};
 use openmls::prelude::tls_codec::Deserialize as _;
 use openmls::prelude::*;
 use std::collections::BTreeMap;
+
+/// Key package claims of one `invite_many` in flight at once.
+const CLAIMS_IN_FLIGHT: usize = 32;
 
 /// A key package as a hub holds it: bare, or in its standard MLSMessage
 /// form (what other MLS implementations upload).
@@ -149,6 +153,12 @@ impl GroupPeerManager {
         if unique.is_empty() {
             return Err(CommitError::NoInvitees(group));
         }
+        if unique.len() > super::lane::MAX_INVITEES {
+            return Err(CommitError::TooManyInvitees {
+                count: unique.len(),
+                max: super::lane::MAX_INVITEES,
+            });
+        }
         let members = self.members(group).await?;
         if let Some(device) = unique.iter().find(|d| members.contains(d)) {
             return Err(CommitError::AlreadyMember {
@@ -164,10 +174,14 @@ impl GroupPeerManager {
         if rec.hubs.is_empty() {
             return Err(CommitError::NoHubs(group));
         }
-        // Claimed all at once: the requests share the links and are
-        // answered in one round trip's time, not one per invitee.
-        let kps =
-            futures::future::try_join_all(unique.iter().map(|d| self.claim_key_package(&rec, *d)))
+        // Claimed many at once (the requests share the links, so they are
+        // answered in a few round trips' time, not one per invitee), but
+        // not all at once: a thousand claims in flight would only queue at
+        // the hub's rate limits.
+        let kps: Vec<KeyPackage> =
+            futures::stream::iter(unique.iter().map(|d| self.claim_key_package(&rec, *d)))
+                .buffered(CLAIMS_IN_FLIGHT)
+                .try_collect()
                 .await?;
         self.commit_plan(
             group,

@@ -36,6 +36,14 @@ use crate::kv::KvError;
 use crate::wire::{DeviceId, ExpectedHead, PublishId};
 use serde::{Deserialize, Serialize};
 
+/// The most devices one commit may add (`invite_many`). The commit carries
+/// every joiner's key package and the Welcome the whole ratchet tree, so
+/// both grow with the count; a commit or Welcome above the hub's payload
+/// limit is refused by the hub (`HubRefused`, nothing lands). The enacted
+/// entry list in a commit's authenticated data counts in 16 bits, far
+/// above this bound.
+pub const MAX_INVITEES: usize = 1000;
+
 /// What a commit does, for the journal and for what a lost one means.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum CommitKind {
@@ -163,6 +171,15 @@ pub enum CommitError {
     /// `invite_many` was given no device to invite.
     #[error("nobody to invite into group {0}")]
     NoInvitees(GroupId),
+    /// `invite_many` was given more devices than one commit may add
+    /// ([`MAX_INVITEES`]); nothing was done. Invite them in several calls.
+    #[error("{count} devices to invite in one commit, at most {max}")]
+    TooManyInvitees {
+        /// Devices asked for (after removing repeats).
+        count: usize,
+        /// The bound.
+        max: usize,
+    },
     /// An invite needs a hub the invitee can reach: bind one first.
     #[error("group {0} has no hub bound; bind one before inviting")]
     NoHubs(GroupId),
