@@ -82,6 +82,17 @@ async fn hubs(n: usize) -> Vec<TestHub> {
     v
 }
 
+/// A hub over a directory of its own, and its address, so a test can stop
+/// it and start it again where devices expect it.
+async fn restartable_hub() -> (tempfile::TempDir, TestHub, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let hub = TestHub::start_at(dir.path(), "127.0.0.1:0", |_| {})
+        .await
+        .unwrap();
+    let addr = hub.addr().to_string();
+    (dir, hub, addr)
+}
+
 fn urls(h: &[TestHub]) -> Vec<String> {
     h.iter().map(|h| h.url().to_string()).collect()
 }
@@ -253,11 +264,7 @@ async fn a_device_reopened_from_its_directory_resumes_without_loss_or_repeats() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sends_wait_in_the_outbox_while_the_hub_is_down() {
-    let dir = tempfile::tempdir().unwrap();
-    let hub = TestHub::start_at(dir.path(), "127.0.0.1:0", |_| {})
-        .await
-        .unwrap();
-    let addr = hub.addr().to_string();
+    let (dir, hub, addr) = restartable_hub().await;
     let u = vec![hub.url().to_string()];
     let a = TestDevice::open(&u).await.unwrap();
     let b = TestDevice::open(&u).await.unwrap();
@@ -287,11 +294,7 @@ async fn sends_wait_in_the_outbox_while_the_hub_is_down() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_outbox_holds_sends_back_until_the_hub_takes_them() {
-    let dir = tempfile::tempdir().unwrap();
-    let hub = TestHub::start_at(dir.path(), "127.0.0.1:0", |_| {})
-        .await
-        .unwrap();
-    let addr = hub.addr().to_string();
+    let (dir, hub, addr) = restartable_hub().await;
     let u = vec![hub.url().to_string()];
     let mut options = hubsync::testkit::device_options(&u);
     options.outbox.max_owed = 3;

@@ -310,6 +310,35 @@ pub async fn run(opts: &BenchOptions) -> Result<Report, BenchError> {
     Ok(report)
 }
 
+/// A fresh bench hub with one group of `n` devices on it: the setup of
+/// every pair over a group.
+///
+/// # Errors
+/// `Setup` when the hub cannot start or the group cannot be formed.
+async fn hub_with_group(n: usize) -> Result<(TestHub, app::HubGroup), BenchError> {
+    let hub = bench_hub().await?;
+    let group = app::HubGroup::form(&hub, n)
+        .await
+        .map_err(|e| BenchError::Setup(format!("hub group: {e}")))?;
+    Ok((hub, group))
+}
+
+/// The same group of `n` in raw OpenMLS.
+///
+/// # Errors
+/// `Setup` when OpenMLS or the echo server fails.
+async fn raw_group(n: usize) -> Result<app::RawGroup, BenchError> {
+    app::RawGroup::form(n)
+        .await
+        .map_err(|e| BenchError::Setup(format!("raw group: {e}")))
+}
+
+/// Close a group's devices, then stop its hub.
+async fn close_group(hub: TestHub, group: app::HubGroup) {
+    group.close().await;
+    hub.stop().await;
+}
+
 fn progress_bar(show: bool, steps: u64) -> indicatif::ProgressBar {
     if !show {
         return indicatif::ProgressBar::hidden();
@@ -473,13 +502,8 @@ async fn app_pair(
         n - 1,
         opts.payload
     );
-    let hub = bench_hub().await?;
-    let group = app::HubGroup::form(&hub, n)
-        .await
-        .map_err(|e| BenchError::Setup(format!("hub group: {e}")))?;
-    let mut raw_group = app::RawGroup::form(n)
-        .await
-        .map_err(|e| BenchError::Setup(format!("raw group: {e}")))?;
+    let (hub, group) = hub_with_group(n).await?;
+    let mut raw_group = raw_group(n).await?;
     let (payload, len) = (opts.payload, opts.slice);
     let (b, h) = alternate(
         &work,
@@ -489,8 +513,7 @@ async fn app_pair(
         async || app::hub_messages(&group, payload, len).await,
     )
     .await?;
-    group.close().await;
-    hub.stop().await;
+    close_group(hub, group).await;
     Ok(Row::new(
         work,
         Figure::rate("messages/s", &h),
@@ -676,13 +699,8 @@ async fn commit_pair(
 ) -> Result<Row, BenchError> {
     let n = n.max(2);
     let work = format!("commit (rotate_keys) until all {n} members merged, group of {n}");
-    let hub = bench_hub().await?;
-    let group = app::HubGroup::form(&hub, n)
-        .await
-        .map_err(|e| BenchError::Setup(format!("hub group: {e}")))?;
-    let mut raw_group = app::RawGroup::form(n)
-        .await
-        .map_err(|e| BenchError::Setup(format!("raw group: {e}")))?;
+    let (hub, group) = hub_with_group(n).await?;
+    let mut raw_group = raw_group(n).await?;
     let len = opts.slice;
     let (b, h) = alternate(
         &work,
@@ -692,8 +710,7 @@ async fn commit_pair(
         async || commit::hub_commits(&group, len).await,
     )
     .await?;
-    group.close().await;
-    hub.stop().await;
+    close_group(hub, group).await;
     Ok(Row::new(
         work,
         Figure::rate("commits/s", &h),
@@ -715,13 +732,8 @@ async fn catch_up_pair(
 ) -> Result<Row, BenchError> {
     let k = opts.behind.max(1);
     let work = format!("a device {k} commits behind, from reopening until it merged the last");
-    let hub = bench_hub().await?;
-    let mut group = app::HubGroup::form(&hub, 2)
-        .await
-        .map_err(|e| BenchError::Setup(format!("hub group: {e}")))?;
-    let mut raw_group = app::RawGroup::form(2)
-        .await
-        .map_err(|e| BenchError::Setup(format!("raw group: {e}")))?;
+    let (hub, mut group) = hub_with_group(2).await?;
+    let mut raw_group = raw_group(2).await?;
     let len = opts.slice;
     let (b, h) = alternate(
         &work,
@@ -731,8 +743,7 @@ async fn catch_up_pair(
         async || commit::hub_catch_up(&mut group, k, len).await,
     )
     .await?;
-    group.close().await;
-    hub.stop().await;
+    close_group(hub, group).await;
     Ok(Row::new(
         work,
         Figure::rate("catch-ups/s", &h),
@@ -750,10 +761,7 @@ async fn form_pair(
 ) -> Result<Row, BenchError> {
     let n = n.max(2);
     let work = format!("forming a group of {n} (create + invite_many of {})", n - 1);
-    let hub = bench_hub().await?;
-    let group = app::HubGroup::form(&hub, n)
-        .await
-        .map_err(|e| BenchError::Setup(format!("hub group: {e}")))?;
+    let (hub, group) = hub_with_group(n).await?;
     let len = opts.slice;
     let (b, h) = alternate(
         &work,
@@ -763,8 +771,7 @@ async fn form_pair(
         async || commit::hub_forming(&group, len).await,
     )
     .await?;
-    group.close().await;
-    hub.stop().await;
+    close_group(hub, group).await;
     Ok(Row::new(
         work,
         Figure::rate("groups/s", &h),
