@@ -211,6 +211,19 @@ struct HubArgs {
     /// Burst of publishes per topic.
     #[arg(long, default_value_t = 200.0)]
     topic_burst: f64,
+    /// Sustained key-package claims per second by one claimer.
+    #[arg(long, default_value_t = 1.0)]
+    claimer_rate: f64,
+    /// Burst of key-package claims by one claimer.
+    #[arg(long, default_value_t = 30.0)]
+    claimer_burst: f64,
+    /// Sustained claims per second of one device's key packages, by all
+    /// claimers together.
+    #[arg(long, default_value_t = 10.0 / 60.0)]
+    target_rate: f64,
+    /// Burst of claims of one device's key packages.
+    #[arg(long, default_value_t = 10.0)]
+    target_burst: f64,
     /// Log frames kept per topic before the oldest are trimmed.
     #[arg(long, default_value_t = 100_000)]
     max_log_depth: u64,
@@ -307,6 +320,14 @@ async fn run_hub(args: HubArgs) -> Result<(), String> {
         topic_rate: Rate {
             per_sec: args.topic_rate,
             burst: args.topic_burst,
+        },
+        claimer_rate: Rate {
+            per_sec: args.claimer_rate,
+            burst: args.claimer_burst,
+        },
+        target_rate: Rate {
+            per_sec: args.target_rate,
+            burst: args.target_burst,
         },
         max_log_depth: args.max_log_depth,
         max_subscriptions: args.max_subscriptions,

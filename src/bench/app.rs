@@ -76,13 +76,26 @@ impl HubGroup {
     /// # Errors
     /// When a device cannot be opened or the group cannot be formed.
     pub async fn form(hub: &TestHub, n: usize) -> Result<Self, String> {
+        Self::form_at(hub.url(), Arc::new(hub.connector()), n).await
+    }
+
+    /// As [`HubGroup::form`], on the hub at `url` (any hub, a process of
+    /// its own included), dialled through `connector`.
+    ///
+    /// # Errors
+    /// When a device cannot be opened or the group cannot be formed.
+    pub async fn form_at(
+        url: &str,
+        connector: Arc<dyn crate::transport::Connector>,
+        n: usize,
+    ) -> Result<Self, String> {
         let receipts = Arc::new(Receipts::default());
         let mut devices = Vec::with_capacity(n);
         let mut opened = Vec::with_capacity(n);
         for _ in 0..n {
             let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
-            let mut o = DeviceOptions::new(vec![hub.url().to_string()]);
-            o.connector = Arc::new(hub.connector());
+            let mut o = DeviceOptions::new(vec![url.to_string()]);
+            o.connector = connector.clone();
             let r = receipts.clone();
             o.manager.observer = Some(Observer(Arc::new(move |e: &Event| {
                 match e {
@@ -112,7 +125,7 @@ impl HubGroup {
             devices,
             group: GroupId([0; 32]),
             receipts,
-            hub_url: hub.url().to_string(),
+            hub_url: url.to_string(),
             opened,
         };
         let deadline = Instant::now() + WAIT;

@@ -97,19 +97,127 @@ fn per_connection(base: u64, after: u64, n: usize) -> PerConnection {
     }
 }
 
+/// This binary's `hub` over a fresh store in a temporary directory, with
+/// rate limits that never trigger (the bench measures the work, not the
+/// limiter). Answers the directory, the process and the store's path.
+async fn start_hub(exe: &Path) -> Result<(tempfile::TempDir, Server, PathBuf), String> {
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let data = dir.path().join("hub");
+    let arg = data.to_string_lossy().into_owned();
+    let fast = "1000000000";
+    let hub = Server::start(
+        exe,
+        &[
+            "hub",
+            "--listen",
+            "127.0.0.1:0",
+            "--data",
+            &arg,
+            "--device-rate",
+            fast,
+            "--device-burst",
+            fast,
+            "--topic-rate",
+            fast,
+            "--topic-burst",
+            fast,
+            "--claimer-rate",
+            fast,
+            "--claimer-burst",
+            fast,
+            "--target-rate",
+            fast,
+            "--target-burst",
+            fast,
+        ],
+    )
+    .await?;
+    Ok((dir, hub, data))
+}
+
+/// Bytes the files under `dir` take on disk (allocated blocks, not
+/// apparent lengths: sled's files are sparse).
+fn disk_bytes(dir: &Path) -> Result<u64, String> {
+    use std::os::unix::fs::MetadataExt as _;
+    let mut total = 0u64;
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        for entry in std::fs::read_dir(&d).map_err(|e| format!("{}: {e}", d.display()))? {
+            let entry = entry.map_err(|e| e.to_string())?;
+            let meta = entry.metadata().map_err(|e| e.to_string())?;
+            if meta.is_dir() {
+                todo.push(entry.path());
+            } else {
+                total += meta.blocks() * 512;
+            }
+        }
+    }
+    Ok(total)
+}
+
+/// What one more group costs a hub.
+#[derive(Clone, Copy, Debug)]
+pub struct PerGroup {
+    /// Resident bytes added per group.
+    pub memory_bytes: f64,
+    /// Store bytes on disk added per group.
+    pub disk_bytes: f64,
+}
+
+/// The hub's memory and disk per group: `members` devices on this
+/// binary's `hub` form one group (the devices' own connections are then
+/// counted once, before), then `groups` more, each with `messages`
+/// messages sent in it; the growth of the hub's resident set and of its
+/// store on disk, divided by `groups`.
+///
+/// # Errors
+/// When the hub cannot be started or a group cannot be formed.
+pub async fn hub_per_group(
+    exe: &Path,
+    groups: usize,
+    members: usize,
+    messages: usize,
+) -> Result<PerGroup, String> {
+    let (_dir, hub, data) = start_hub(exe).await?;
+    let url = format!("ws://{}", hub.addr);
+    let g = super::app::HubGroup::form_at(
+        &url,
+        std::sync::Arc::new(NetConnector::default()),
+        members.max(2),
+    )
+    .await?;
+    tokio::time::sleep(SETTLE).await;
+    let (mem0, disk0) = (hub.rss()?, disk_bytes(&data)?);
+    let body = vec![0x5au8; 256];
+    for _ in 0..groups {
+        let group = g.form_group().await?;
+        for _ in 0..messages {
+            g.sender()
+                .send(group, &body)
+                .await
+                .map_err(|e| format!("send: {e}"))?;
+        }
+    }
+    // What was sent is owed until the hub has it: wait for the outbox.
+    while g.sender().manager().outbox().owed() > 0 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(SETTLE).await;
+    let (mem1, disk1) = (hub.rss()?, disk_bytes(&data)?);
+    g.close().await;
+    let n = groups.max(1) as f64;
+    Ok(PerGroup {
+        memory_bytes: mem1.saturating_sub(mem0) as f64 / n,
+        disk_bytes: disk1.saturating_sub(disk0) as f64 / n,
+    })
+}
+
 /// The hub side: this binary's `hub` with `n` idle devices connected.
 ///
 /// # Errors
 /// When the hub cannot be started or a device cannot connect.
 pub async fn hub_per_device(exe: &Path, n: usize) -> Result<PerConnection, String> {
-    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
-    let data = dir.path().join("hub");
-    let data = data.to_string_lossy();
-    let hub = Server::start(
-        exe,
-        &["hub", "--listen", "127.0.0.1:0", "--data", data.as_ref()],
-    )
-    .await?;
+    let (_dir, hub, _) = start_hub(exe).await?;
     let url = format!("ws://{}", hub.addr);
     let connector = NetConnector::default();
     let connect = |i: u64| {

@@ -149,6 +149,9 @@ pub struct BenchOptions {
     pub behind: usize,
     /// Idle devices connected for the memory pair (f).
     pub idle_devices: usize,
+    /// Groups formed on a hub process to measure what one group costs it
+    /// in memory and on disk (5 members, 10 messages each).
+    pub footprint_groups: usize,
     /// Groups of the sustained load (d), each with its own sender.
     pub load_groups: usize,
     /// Members of each group of the sustained load.
@@ -179,6 +182,7 @@ impl BenchOptions {
             form_members: vec![10, 100],
             behind: 1000,
             idle_devices: 10_000,
+            footprint_groups: 50,
             load_groups: 10,
             load_members: 5,
             load_start: 50.0,
@@ -204,6 +208,7 @@ impl BenchOptions {
             form_members: vec![3],
             behind: 5,
             idle_devices: 20,
+            footprint_groups: 2,
             load_groups: 2,
             load_members: 3,
             load_start: 20.0,
@@ -284,9 +289,13 @@ pub async fn run(opts: &BenchOptions) -> Result<Report, BenchError> {
             rows.push(form_pair(opts, n, &bar).await?);
         }
     }
+    let mut footprint = Vec::new();
     if has(PairKind::Memory) {
         match memory::hubsync_exe() {
-            Some(exe) => rows.push(memory_pair(opts, &exe, &bar).await?),
+            Some(exe) => {
+                rows.push(memory_pair(opts, &exe, &bar).await?);
+                footprint.push(group_footprint(opts, &exe).await?);
+            }
             None => {
                 not_measured.push(NotMeasured::new(
                     memory_work(opts),
@@ -306,6 +315,7 @@ pub async fn run(opts: &BenchOptions) -> Result<Report, BenchError> {
     bar.finish_and_clear();
     let mut report = Report::new(rows, not_measured, opts);
     report.load = load;
+    report.footprint = footprint;
     report.write(&opts.out)?;
     Ok(report)
 }
@@ -885,4 +895,23 @@ async fn sustained_load(
     }
     hub.stop().await;
     Ok(steps)
+}
+
+/// What one more group costs a hub process, in memory and on disk: a
+/// sentence for the report's footprint list.
+async fn group_footprint(opts: &BenchOptions, exe: &Path) -> Result<String, BenchError> {
+    let (members, messages) = (5, 10);
+    let groups = opts.footprint_groups.max(1);
+    let per = memory::hub_per_group(exe, groups, members, messages)
+        .await
+        .map_err(|reason| BenchError::Work {
+            work: "hub memory and disk per group".into(),
+            reason,
+        })?;
+    Ok(format!(
+        "per group on the hub ({groups} groups of {members} devices, {messages} messages of \
+         256 B each): {:.1} KiB of resident memory, {:.1} KiB of store on disk",
+        per.memory_bytes / 1024.0,
+        per.disk_bytes / 1024.0
+    ))
 }

@@ -161,6 +161,9 @@ pub struct Report {
     pub slice_ms: u64,
     /// The sustained-load steps (pair (d)), in the order they ran.
     pub load: Vec<super::LoadStep>,
+    /// Figures with no baseline to divide by (what a group costs a hub),
+    /// one sentence each.
+    pub footprint: Vec<String>,
 }
 
 impl Report {
@@ -172,6 +175,7 @@ impl Report {
             rounds: opts.rounds,
             slice_ms: opts.slice.as_millis() as u64,
             load: Vec::new(),
+            footprint: Vec::new(),
         }
     }
 
@@ -204,6 +208,12 @@ impl Report {
                 "| {} | not measured: {} | - | - | {} |",
                 m.work, m.reason, target
             );
+        }
+        if !self.footprint.is_empty() {
+            s.push_str("\nFootprint:\n\n");
+            for f in &self.footprint {
+                let _ = writeln!(s, "- {f}");
+            }
         }
         if !self.load.is_empty() {
             s.push_str(
