@@ -252,8 +252,12 @@ impl HubGroup {
             .map_err(|_| format!("device {i} never caught up to epoch {epoch}"))
     }
 
+    /// Wait for `done`, as long as a group this size may need: every
+    /// device processes its share on the same two cores, so a group of a
+    /// thousand takes far longer than one of ten.
     async fn wait(&self, done: impl Fn(&Receipts) -> bool) -> Result<(), ()> {
-        self.wait_for(done, WAIT).await
+        let per_device = Duration::from_millis(200) * self.devices.len() as u32;
+        self.wait_for(done, WAIT + per_device).await
     }
 
     async fn wait_for(&self, done: impl Fn(&Receipts) -> bool, limit: Duration) -> Result<(), ()> {
