@@ -188,7 +188,7 @@ async fn drained(hub: &TestHub, device: DeviceId, within: Duration) {
     let deadline = tokio::time::Instant::now() + within;
     let mut calm = 0;
     while calm < 3 {
-        let queued = hub.hub().core().usage(device).unwrap().queued;
+        let queued = hub.hub().core().usage(device).await.unwrap().queued;
         calm = if queued == 0 { calm + 1 } else { 0 };
         assert!(
             tokio::time::Instant::now() < deadline,
@@ -661,6 +661,7 @@ async fn a_key_package_whose_leaf_is_not_its_device_is_never_invited() {
     let f_signed_by_a = attacker.key_package(credential(victim, &victim.0), &attacker.signer);
     let last = attacker.key_package(credential(victim, &a_key), &attacker.signer);
     core.upload_key_packages(victim, &[f_with_a_key, f_signed_by_a], Some(last))
+        .await
         .unwrap();
     for _ in 0..3 {
         assert_eq!(
@@ -669,7 +670,7 @@ async fn a_key_package_whose_leaf_is_not_its_device_is_never_invited() {
         );
     }
     assert_eq!(
-        core.key_package_status(victim).unwrap().value,
+        core.key_package_status(victim).await.unwrap().value,
         (0, true),
         "the planted pool was claimed (and refused)"
     );

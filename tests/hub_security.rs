@@ -107,6 +107,7 @@ async fn a_stranger_cannot_read_a_device_mailbox_while_the_owner_gets_its_posts(
         hub.hub()
             .core()
             .usage(stranger.device())
+            .await
             .unwrap()
             .stored_bytes,
         0
@@ -341,13 +342,13 @@ async fn throwaway_subscribers_hit_the_queue_quota_and_the_store_stays_bounded()
     let core = hub.hub().core();
     let mut stored = 0;
     for d in &throwaways {
-        let u = core.usage(*d).unwrap();
+        let u = core.usage(*d).await.unwrap();
         assert_eq!(u.queued, QUEUE);
         assert_eq!((u.dropped, u.dropped_after), (PUBLISHES - QUEUE, QUEUE));
         stored += u.queued;
     }
     assert_eq!(stored, THROWAWAYS * QUEUE, "bounded by subscribers x quota");
-    assert_eq!(core.usage(honest.device()).unwrap().queued, 0);
+    assert_eq!(core.usage(honest.device()).await.unwrap().queued, 0);
     assert_eq!(
         hub.hub().metrics().deliveries_dropped,
         THROWAWAYS * (PUBLISHES - QUEUE)
@@ -376,12 +377,12 @@ async fn throwaway_subscribers_hit_the_queue_quota_and_the_store_stays_bounded()
     }
     no_push(&mut rx).await;
     assert_eq!(
-        core.usage(back.device()).unwrap().dropped,
+        core.usage(back.device()).await.unwrap().dropped,
         0,
         "reported once"
     );
     back.ack(ids).await.unwrap();
-    assert_eq!(core.usage(back.device()).unwrap().queued, 0);
+    assert_eq!(core.usage(back.device()).await.unwrap().queued, 0);
     publisher
         .publish(log("hot", 99, ExpectedHead::Unconditional, b"room again"))
         .await
@@ -408,7 +409,7 @@ async fn a_device_over_its_stored_bytes_quota_is_refused_and_nothing_is_stored()
     let mut first = log("blob", 1, ExpectedHead::Unconditional, &[1; 600]);
     first.retention_secs = Some(0);
     hog.publish(first).await.unwrap();
-    assert_eq!(core.usage(hog.device()).unwrap().stored_bytes, 600);
+    assert_eq!(core.usage(hog.device()).await.unwrap().stored_bytes, 600);
     assert_eq!(
         hub_error(
             hog.publish(log("blob", 2, ExpectedHead::Seq(1), &[2; 500]))
@@ -424,7 +425,7 @@ async fn a_device_over_its_stored_bytes_quota_is_refused_and_nothing_is_stored()
     // its publish id is still free.
     let f = hog.fetch(&t, 0, 10).await.unwrap();
     assert_eq!((f.head, f.messages.len()), (Some(1), 1));
-    assert_eq!(core.usage(hog.device()).unwrap().stored_bytes, 600);
+    assert_eq!(core.usage(hog.device()).await.unwrap().stored_bytes, 600);
     assert_eq!(hub.hub().metrics().quota_refusals, 1);
     // The quota is per device: another publisher is not affected.
     other
@@ -437,7 +438,7 @@ async fn a_device_over_its_stored_bytes_quota_is_refused_and_nothing_is_stored()
     let sub = hub.client(&signing_key(3)).await.unwrap();
     sub.subscribe(&TopicId::from("mb"), None).await.unwrap();
     hog.publish(mailbox("mb", 4, &[4; 300])).await.unwrap();
-    assert_eq!(core.usage(hog.device()).unwrap().stored_bytes, 900);
+    assert_eq!(core.usage(hog.device()).await.unwrap().stored_bytes, 900);
     let mut rx = sub.take_pushes().unwrap();
     sub.receive(0).await.unwrap();
     let id = match next_push(&mut rx).await {
@@ -445,11 +446,11 @@ async fn a_device_over_its_stored_bytes_quota_is_refused_and_nothing_is_stored()
         other => panic!("{other:?}"),
     };
     sub.ack(vec![id]).await.unwrap();
-    assert_eq!(core.usage(hog.device()).unwrap().stored_bytes, 600);
+    assert_eq!(core.usage(hog.device()).await.unwrap().stored_bytes, 600);
 
     // Room comes back as frames go: the first one's retention ran out.
     hub.hub().purge_now().await.unwrap();
-    assert_eq!(core.usage(hog.device()).unwrap().stored_bytes, 0);
+    assert_eq!(core.usage(hog.device()).await.unwrap().stored_bytes, 0);
     assert!(matches!(
         hog.publish(log("blob", 2, ExpectedHead::Seq(2), &[2; 500]))
             .await

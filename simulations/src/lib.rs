@@ -30,7 +30,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::rc::Rc;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use store::{HubStore, Snapshot};
+use store::{HubDisk, Snapshot};
 use tokio::sync::{mpsc, oneshot};
 
 /// Wall-clock time at the start of every simulated run (ms since the Unix
@@ -428,7 +428,7 @@ pub fn run_seed(cfg: &SimConfig) -> SeedReport {
     let mut sim = builder.build();
     let restarts: Restarts = Rc::default();
 
-    let hub_stores: Vec<HubStore> = (0..cfg.hubs).map(|_| HubStore::new()).collect();
+    let hub_stores: Vec<HubDisk> = (0..cfg.hubs).map(|_| HubDisk::new()).collect();
     let mut snapshots: Vec<Option<(u64, Snapshot)>> = vec![None; cfg.hubs];
     for (i, store) in hub_stores.iter().enumerate() {
         let store = store.clone();

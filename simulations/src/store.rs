@@ -15,7 +15,7 @@ pub type Snapshot = BTreeMap<Vec<u8>, Vec<u8>>;
 
 /// A `MemKv` whose durable contents can be copied and restored.
 #[derive(Clone, Default)]
-pub struct HubStore {
+pub struct HubDisk {
     inner: Arc<Mutex<Inner>>,
 }
 
@@ -26,7 +26,7 @@ struct Inner {
     unflushed: Vec<WriteBatch>,
 }
 
-impl HubStore {
+impl HubDisk {
     /// An empty store.
     pub fn new() -> Self {
         Self::default()
@@ -67,7 +67,7 @@ impl HubStore {
     }
 }
 
-impl KvStore for HubStore {
+impl KvStore for HubDisk {
     fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, KvError> {
         self.lock().kv.get(key)
     }
@@ -107,7 +107,7 @@ impl KvStore for HubStore {
 mod tests {
     use super::*;
 
-    fn put(s: &HubStore, k: &str, v: &str) {
+    fn put(s: &HubDisk, k: &str, v: &str) {
         let mut b = WriteBatch::new();
         b.put(k.as_bytes().to_vec(), v.as_bytes().to_vec());
         s.apply(&b).unwrap();
@@ -115,7 +115,7 @@ mod tests {
 
     #[test]
     fn a_snapshot_holds_exactly_the_flushed_contents_and_restores() {
-        let s = HubStore::new();
+        let s = HubDisk::new();
         put(&s, "a", "1");
         s.flush().unwrap();
         put(&s, "b", "2");

@@ -1,25 +1,20 @@
 //! The hub's protocol logic over its store, with no networking.
 //!
-//! Every mutating call runs under one write lock, reads what it needs, and
-//! applies all of its changes as one atomic batch, so a crash leaves either
-//! the state before the call or the state after it. Each call returns the
-//! batch's generation; the caller answers only once [`HubCore::durable`] says
-//! that generation is flushed. Reads only ever return what is durable, so no
-//! device can act on a frame a crash could still take back.
-//!
-//! Opening a core reads the store's identity ([`StoreId`]), or, in a store
-//! that has none, draws one from the hub's rng and flushes it before the
-//! core serves anything, so every answer the hub gives is tied to an
-//! identity that a crash cannot take back.
+//! Every call is one [`HubTxn`] of the store: it reads what it needs and
+//! commits all of its changes at once, so a crash leaves either the state
+//! before the call or the state after it, and a call that conflicted with
+//! another (on a store shared by several processes) runs again from its
+//! reads. Each call returns its commit's generation; the caller answers only
+//! once [`HubCore::durable`] says that generation is durable. Reads only ever
+//! return what is durable, so no device can act on a frame a crash could
+//! still take back.
 
-use super::flush::GroupCommit;
 use super::layout::{self as l, DeliveryRef, DeviceMeta, DeviceUsage, ExpiryKind, KeyPackageMeta};
 use super::layout::{PublishRecord, StoredFrame, Subscription, TopicMeta};
 use super::limits::{Limits, RateKey, RateLimiter};
 use super::rules::{self, Attempt, Decision, TopicView};
+use super::store::{HubStore, HubTxn, StoreError};
 use crate::clock::Clock;
-use crate::kv::{KvError, KvStore, WriteBatch};
-use crate::rng::SharedRng;
 use crate::wire::{
     Delivery, DeviceId, ExpectedHead, FetchResult, HubError, LogFrame, Publish, PublishOutcome,
     RetentionClass, StoreId, TopicId,
@@ -28,7 +23,47 @@ use sha2::{Digest, Sha256};
 use std::collections::btree_map::Entry;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
+
+/// How often a call runs again after its transaction conflicted with
+/// another before the hub gives up and answers `Internal`.
+pub(super) const MAX_CONFLICT_RETRIES: u32 = 16;
+
+/// Run `$body` (an expression using the transaction `$tx`) in a transaction
+/// of `$core`'s store and commit it, running it again on a conflict. A `?`
+/// in the body returns from the caller with nothing written. Evaluates to
+/// the body's value as a [`Durable`].
+macro_rules! transact {
+    ($core:expr, $tx:ident => $body:expr) => {{
+        let mut conflicts = 0u32;
+        loop {
+            let mut $tx = $core.store.begin().await.map_err(internal)?;
+            let value = $body;
+            match $tx.commit().await {
+                Ok(gen) => break Durable { value, gen },
+                Err(StoreError::Conflict) if conflicts < MAX_CONFLICT_RETRIES => {
+                    conflicts += 1;
+                    $core
+                        .counters
+                        .conflict_retries
+                        .fetch_add(1, Ordering::Relaxed);
+                }
+                Err(e) => return Err(internal(e)),
+            }
+        }
+    }};
+}
+
+/// Read and decode the record under `key` in `tx`.
+async fn read<T: serde::de::DeserializeOwned>(
+    tx: &mut dyn HubTxn,
+    key: &[u8],
+) -> Result<Option<T>, HubError> {
+    match tx.get(key).await.map_err(internal)? {
+        Some(bytes) => Ok(Some(l::decode(key, &bytes).map_err(kv_internal)?)),
+        None => Ok(None),
+    }
+}
 
 /// A result whose writes become durable with generation `gen`.
 #[derive(Debug)]
@@ -91,6 +126,7 @@ pub(crate) struct Counters {
     pub deliveries_dropped: AtomicU64,
     pub quota_refusals: AtomicU64,
     pub not_authorized: AtomicU64,
+    pub conflict_retries: AtomicU64,
 }
 
 /// The usage records one operation reads and changes, staged into its
@@ -107,11 +143,17 @@ impl UsageStage {
     }
 
     /// `device`'s usage as this operation has changed it so far.
-    fn get(&mut self, core: &HubCore, device: DeviceId) -> Result<&mut DeviceUsage, HubError> {
+    async fn get(
+        &mut self,
+        tx: &mut dyn HubTxn,
+        device: DeviceId,
+    ) -> Result<&mut DeviceUsage, HubError> {
         let slot = match self.map.entry(device) {
             Entry::Occupied(e) => e.into_mut(),
             Entry::Vacant(v) => {
-                let u: DeviceUsage = core.read(&l::device_usage(&device))?.unwrap_or_default();
+                let u: DeviceUsage = read(tx, &l::device_usage(&device))
+                    .await?
+                    .unwrap_or_default();
                 v.insert((u, u))
             }
         };
@@ -119,28 +161,32 @@ impl UsageStage {
     }
 
     /// A frame of `sender` holding `bytes` of payload is going away.
-    fn release_bytes(
+    async fn release_bytes(
         &mut self,
-        core: &HubCore,
+        tx: &mut dyn HubTxn,
         sender: DeviceId,
         bytes: usize,
     ) -> Result<(), HubError> {
-        let u = self.get(core, sender)?;
+        let u = self.get(tx, sender).await?;
         u.stored_bytes = u.stored_bytes.saturating_sub(bytes as u64);
         Ok(())
     }
 
     /// One queued delivery of `device` is going away.
-    fn release_delivery(&mut self, core: &HubCore, device: DeviceId) -> Result<(), HubError> {
-        let u = self.get(core, device)?;
+    async fn release_delivery(
+        &mut self,
+        tx: &mut dyn HubTxn,
+        device: DeviceId,
+    ) -> Result<(), HubError> {
+        let u = self.get(tx, device).await?;
         u.queued = u.queued.saturating_sub(1);
         Ok(())
     }
 
-    fn stage(self, batch: &mut WriteBatch) {
+    fn stage(self, tx: &mut dyn HubTxn) {
         for (device, (read, now)) in self.map {
             if read != now {
-                batch.put(l::device_usage(&device), l::encode(&now));
+                tx.put(l::device_usage(&device), l::encode(&now));
             }
         }
     }
@@ -149,21 +195,22 @@ impl UsageStage {
 /// The hub's logic: publish, fetch, subscriptions, deliveries, key packages,
 /// retention.
 pub struct HubCore {
-    store: Arc<dyn KvStore>,
-    store_id: StoreId,
+    store: Arc<dyn HubStore>,
     limits: Limits,
     clock: Clock,
-    writer: Mutex<()>,
-    commit: Arc<GroupCommit>,
     rate: RateLimiter,
     pub(crate) counters: Counters,
 }
 
-fn internal(e: KvError) -> HubError {
+fn internal(e: StoreError) -> HubError {
     tracing::error!(error = %e, "hub store failed");
     HubError::Internal {
         reason: e.to_string(),
     }
+}
+
+fn kv_internal(e: crate::kv::KvError) -> HubError {
+    internal(StoreError::Engine(e))
 }
 
 fn content_digest(class: RetentionClass, payload: &[u8]) -> [u8; 32] {
@@ -176,68 +223,26 @@ fn content_digest(class: RetentionClass, payload: &[u8]) -> [u8; 32] {
     h.finalize().into()
 }
 
-/// The identity of `store`: the one it holds, or a new one drawn from `rng`,
-/// written and flushed before this returns.
-///
-/// # Errors
-/// The store's error when it cannot be read, written or flushed, and
-/// [`KvError::Corrupt`] when the stored value is not 16 bytes.
-fn load_or_create_store_id(store: &dyn KvStore, rng: &SharedRng) -> Result<StoreId, KvError> {
-    let key = l::store_id();
-    if let Some(bytes) = store.get(&key)? {
-        let id: [u8; 16] = bytes.as_slice().try_into().map_err(|_| KvError::Corrupt {
-            key: hex::encode(&key),
-            reason: format!("a store identity is 16 bytes, found {}", bytes.len()),
-        })?;
-        return Ok(StoreId(id));
-    }
-    let mut id = [0u8; 16];
-    rng.fill(&mut id);
-    let mut batch = WriteBatch::new();
-    batch.put(key, id.to_vec());
-    store.apply(&batch)?;
-    store.flush()?;
-    tracing::info!(store_id = %StoreId(id), "new hub store: identity created");
-    Ok(StoreId(id))
-}
-
 impl HubCore {
-    /// A core over `store` (which may already hold a hub's state). Reads the
-    /// store's identity, or creates one from `rng` and flushes it (a
-    /// blocking flush, once, in a store that has none).
-    ///
-    /// # Errors
-    /// The store's error when the identity cannot be read or made durable.
-    pub fn open(
-        store: Arc<dyn KvStore>,
-        limits: Limits,
-        clock: Clock,
-        rng: &SharedRng,
-    ) -> Result<Arc<Self>, KvError> {
-        let store_id = load_or_create_store_id(&*store, rng)?;
-        Ok(Arc::new(Self {
+    /// A core over `store` (which may already hold a hub's state).
+    pub fn open(store: Arc<dyn HubStore>, limits: Limits, clock: Clock) -> Arc<Self> {
+        Arc::new(Self {
             rate: RateLimiter::new(&limits),
             store,
-            store_id,
             limits,
             clock,
-            writer: Mutex::new(()),
-            commit: GroupCommit::new(),
             counters: Counters::default(),
-        }))
+        })
     }
 
     /// The identity of this core's store: the same for every core opened
     /// over the same store (or a copy of it), different for another store.
     pub fn store_id(&self) -> StoreId {
-        self.store_id
+        self.store.store_id()
     }
 
-    pub(crate) fn group_commit(&self) -> &Arc<GroupCommit> {
-        &self.commit
-    }
-
-    pub(crate) fn store(&self) -> &Arc<dyn KvStore> {
+    /// The store this core works on.
+    pub fn store(&self) -> &Arc<dyn HubStore> {
         &self.store
     }
 
@@ -254,28 +259,7 @@ impl HubCore {
     /// # Cancel safety
     /// Cancel safe.
     pub async fn durable(&self, gen: u64) -> Result<(), HubError> {
-        self.commit
-            .durable(gen)
-            .await
-            .map_err(|reason| HubError::Internal { reason })
-    }
-
-    fn lock(&self) -> MutexGuard<'_, ()> {
-        // The guard protects no data of its own; a panic elsewhere cannot
-        // leave it inconsistent.
-        self.writer.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn apply(&self, batch: &WriteBatch) -> Result<u64, HubError> {
-        if batch.is_empty() {
-            return Ok(self.commit.current());
-        }
-        self.store.apply(batch).map_err(internal)?;
-        Ok(self.commit.applied())
-    }
-
-    fn read<T: serde::de::DeserializeOwned>(&self, key: &[u8]) -> Result<Option<T>, HubError> {
-        l::read(&*self.store, key).map_err(internal)
+        self.store.durable(gen).await.map_err(internal)
     }
 
     fn check_topic(&self, topic: &TopicId) -> Result<(), HubError> {
@@ -302,12 +286,16 @@ impl HubCore {
     }
 
     /// Publish one frame: idempotency, then compare-and-set, then sequence,
-    /// append, deliveries and head, all in one batch.
+    /// append, deliveries and head, all in one transaction.
     ///
     /// # Errors
     /// A limit error, `Conflict` for a reused id with other content, or
     /// `Internal` when the store failed; none of them changed anything.
-    pub fn publish(&self, sender: DeviceId, p: Publish) -> Result<Durable<Published>, HubError> {
+    pub async fn publish(
+        &self,
+        sender: DeviceId,
+        p: Publish,
+    ) -> Result<Durable<Published>, HubError> {
         self.check_topic(&p.topic)?;
         if p.payload.len() > self.limits.max_payload {
             return Err(HubError::PayloadTooLarge {
@@ -320,39 +308,63 @@ impl HubCore {
         }
         // A device's mailbox takes mailbox frames only: a log there would be
         // a second, fetchable channel into it.
-        let owner = p.topic.mailbox_owner();
-        if owner.is_some() && p.class == RetentionClass::Log {
+        if p.topic.mailbox_owner().is_some() && p.class == RetentionClass::Log {
             return Err(self.not_authorized());
         }
         // A writer-bound topic takes only what its writer key signed. The
-        // name binds the key, so this needs no state and no lock.
+        // name binds the key, so this needs no state and no transaction.
         if p.check_writer().is_err() {
             return Err(self.not_authorized());
         }
         let retention_ms = self.retention_ms(p.retention_secs)?;
         let digest = content_digest(p.class, &p.payload);
+        // A call run again after a conflict is still one publish: it takes
+        // its rate token once.
+        let mut charged = false;
+        let done = transact!(self, tx => {
+            self.publish_in(&mut *tx, sender, &p, digest, retention_ms, &mut charged)
+                .await?
+        });
+        let c = &self.counters;
+        let counter = match done.value.outcome {
+            PublishOutcome::Accepted { .. } => &c.accepted,
+            PublishOutcome::Duplicate { .. } => &c.duplicates,
+            PublishOutcome::HeadMismatch { .. } => &c.head_mismatches,
+            PublishOutcome::HistoryMissing => &c.history_missing,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+        c.deliveries_dropped
+            .fetch_add(done.value.dropped_for.len() as u64, Ordering::Relaxed);
+        Ok(done)
+    }
 
-        let _guard = self.lock();
+    /// [`HubCore::publish`]'s transaction: the rules of DESIGN.md section 2
+    /// over the topic's view as `tx` reads it; the store's isolation makes
+    /// the decision and the writes one atomic step.
+    async fn publish_in(
+        &self,
+        tx: &mut dyn HubTxn,
+        sender: DeviceId,
+        p: &Publish,
+        digest: [u8; 32],
+        retention_ms: u64,
+        charged: &mut bool,
+    ) -> Result<Published, HubError> {
         let answer = |outcome: PublishOutcome| {
-            Ok(Durable {
-                value: Published {
-                    outcome,
-                    recipients: Vec::new(),
-                    dropped_for: Vec::new(),
-                },
-                // Even a refusal waits for what it read to be durable: a
-                // head it reports must not be one a crash could take back.
-                gen: self.commit.current(),
+            // A refusal writes nothing, but its commit still answers a
+            // generation: a head it reports must not be one a crash could
+            // take back.
+            Ok(Published {
+                outcome,
+                recipients: Vec::new(),
+                dropped_for: Vec::new(),
             })
         };
-
-        // The rules of DESIGN.md section 2 over what the store holds for
-        // this topic; the write lock held since the reads makes the
-        // decision and the writes one atomic step.
+        let owner = p.topic.mailbox_owner();
         let record_key = l::publish_record(&p.topic, &p.publish_id);
-        let record = self.read::<PublishRecord>(&record_key)?;
+        let record = read::<PublishRecord>(tx, &record_key).await?;
         let meta_key = l::topic_meta(&p.topic);
-        let mut meta: TopicMeta = self.read(&meta_key)?.unwrap_or_default();
+        let mut meta: TopicMeta = read(tx, &meta_key).await?.unwrap_or_default();
         let decision = rules::decide(
             TopicView {
                 record: record.as_ref(),
@@ -367,7 +379,7 @@ impl HubCore {
         // Rate limits count new work only: a retry answered from the
         // idempotency record costs no token, so a replay after an outage
         // is never refused as rate limited.
-        if decision.is_new_work() {
+        if decision.is_new_work() && !*charged {
             let mut keys = vec![RateKey::Device(&sender), RateKey::Topic(&p.topic)];
             if let Some(owner) = &owner {
                 keys.push(RateKey::Mailbox {
@@ -376,27 +388,17 @@ impl HubCore {
                 });
             }
             self.rate.check_all(&keys)?;
+            *charged = true;
         }
         let seq = match decision {
-            Decision::Duplicate { seq } => {
-                self.counters.duplicates.fetch_add(1, Ordering::Relaxed);
-                return answer(PublishOutcome::Duplicate { seq });
-            }
+            Decision::Duplicate { seq } => return answer(PublishOutcome::Duplicate { seq }),
             Decision::Conflict { seq } => {
                 self.counters.conflicts.fetch_add(1, Ordering::Relaxed);
                 return Err(HubError::Conflict { seq });
             }
-            Decision::HistoryMissing => {
-                self.counters
-                    .history_missing
-                    .fetch_add(1, Ordering::Relaxed);
-                return answer(PublishOutcome::HistoryMissing);
-            }
+            Decision::HistoryMissing => return answer(PublishOutcome::HistoryMissing),
             Decision::HeadMismatch { current } => {
-                self.counters
-                    .head_mismatches
-                    .fetch_add(1, Ordering::Relaxed);
-                return answer(PublishOutcome::HeadMismatch { current });
+                return answer(PublishOutcome::HeadMismatch { current })
             }
             Decision::Append { seq } => seq,
         };
@@ -404,13 +406,12 @@ impl HubCore {
         // Append: sequence, frame, deliveries, head.
         let now = self.clock.now_ms();
         meta.last_seq = seq;
-        let mut batch = WriteBatch::new();
         let record_expiry = now.saturating_add(self.limits.max_retention.as_millis() as u64);
-        batch.put(
+        tx.put(
             record_key.clone(),
             l::encode(&PublishRecord { seq, digest }),
         );
-        batch.put(
+        tx.put(
             l::expiry(record_expiry, ExpiryKind::PublishRecord, &record_key),
             vec![],
         );
@@ -424,15 +425,18 @@ impl HubCore {
         let subscribers = match &owner {
             Some(owner) => {
                 let k = l::subscriber(&p.topic, owner);
-                match self.store.get(&k).map_err(internal)? {
+                match tx.get(&k).await.map_err(internal)? {
                     Some(v) => vec![(k, v)],
                     None => Vec::new(),
                 }
             }
-            None => self
-                .store
-                .scan_prefix(&l::subscriber_prefix(&p.topic), usize::MAX)
-                .map_err(internal)?,
+            None => {
+                let prefix = l::subscriber_prefix(&p.topic);
+                let end = crate::kv::prefix_end(&prefix);
+                tx.range(&prefix, end.as_deref(), usize::MAX)
+                    .await
+                    .map_err(internal)?
+            }
         };
         for (k, v) in subscribers {
             let Some(dev) = k
@@ -445,13 +449,13 @@ impl HubCore {
             if dev == sender {
                 continue;
             }
-            let sub: Subscription = l::decode(&k, &v).map_err(internal)?;
+            let sub: Subscription = l::decode(&k, &v).map_err(kv_internal)?;
             let dmeta_key = l::device_meta(&dev);
-            let mut dmeta: DeviceMeta = self.read(&dmeta_key)?.unwrap_or_default();
+            let mut dmeta: DeviceMeta = read(tx, &dmeta_key).await?.unwrap_or_default();
             // A full queue drops the new delivery: publishers never wait or
             // fail for a subscriber that does not read, and what is queued
             // stays in order. The drop is counted and reported.
-            let u = usage.get(self, dev)?;
+            let u = usage.get(tx, dev).await?;
             if u.queued >= self.limits.max_queued_deliveries {
                 if u.dropped == 0 {
                     u.dropped_after = dmeta.last_delivery;
@@ -464,7 +468,7 @@ impl HubCore {
             dmeta.last_delivery += 1;
             let dkey = l::delivery(&dev, dmeta.last_delivery);
             let expires = now.saturating_add(sub.retention_secs.saturating_mul(1000));
-            batch.put(
+            tx.put(
                 dkey.clone(),
                 l::encode(&DeliveryRef {
                     topic: p.topic.clone(),
@@ -473,8 +477,8 @@ impl HubCore {
                     expires_at_ms: expires,
                 }),
             );
-            batch.put(l::expiry(expires, ExpiryKind::Delivery, &dkey), vec![]);
-            batch.put(dmeta_key, l::encode(&dmeta));
+            tx.put(l::expiry(expires, ExpiryKind::Delivery, &dkey), vec![]);
+            tx.put(dmeta_key, l::encode(&dmeta));
             recipients.push(dev);
         }
 
@@ -482,7 +486,7 @@ impl HubCore {
         // log frame, or a mailbox frame someone will receive).
         let adding = p.payload.len() as u64;
         if p.class == RetentionClass::Log || !recipients.is_empty() {
-            let u = usage.get(self, sender)?;
+            let u = usage.get(tx, sender).await?;
             if u.stored_bytes.saturating_add(adding) > self.limits.max_stored_bytes {
                 self.counters.quota_refusals.fetch_add(1, Ordering::Relaxed);
                 return Err(HubError::StorageQuotaExceeded {
@@ -500,20 +504,21 @@ impl HubCore {
             publish_id: p.publish_id,
             published_at_ms: now,
             expires_at_ms: expires,
-            payload: p.payload,
+            payload: p.payload.clone(),
             remaining: 0,
         };
         match p.class {
             RetentionClass::Log => {
                 let fkey = l::log_frame(&p.topic, seq);
-                batch.put(l::expiry(expires, ExpiryKind::LogFrame, &fkey), vec![]);
-                batch.put(fkey, l::encode(&frame));
+                tx.put(l::expiry(expires, ExpiryKind::LogFrame, &fkey), vec![]);
+                tx.put(fkey, l::encode(&frame));
                 meta.head = Some(seq);
                 meta.oldest.get_or_insert(seq);
                 meta.log_len += 1;
                 if meta.log_len > self.limits.max_log_depth {
                     let excess = meta.log_len - self.limits.max_log_depth;
-                    self.trim_prefix(&p.topic, &mut meta, excess, None, &mut batch, &mut usage)?;
+                    self.trim_prefix(tx, &p.topic, &mut meta, excess, None, &mut usage)
+                        .await?;
                     // The new frame is staged, not stored, so the walk cannot
                     // see it: it is the oldest when every stored one went.
                     meta.oldest.get_or_insert(seq);
@@ -525,28 +530,20 @@ impl HubCore {
                 if !recipients.is_empty() {
                     frame.remaining = recipients.len() as u32;
                     let fkey = l::mailbox_frame(&p.topic, seq);
-                    batch.put(l::expiry(expires, ExpiryKind::MailboxFrame, &fkey), vec![]);
-                    batch.put(fkey, l::encode(&frame));
+                    tx.put(l::expiry(expires, ExpiryKind::MailboxFrame, &fkey), vec![]);
+                    tx.put(fkey, l::encode(&frame));
                 }
             }
         }
-        batch.put(meta_key, l::encode(&meta));
-        usage.stage(&mut batch);
-        let gen = self.apply(&batch)?;
-        self.counters.accepted.fetch_add(1, Ordering::Relaxed);
-        self.counters
-            .deliveries_dropped
-            .fetch_add(dropped_for.len() as u64, Ordering::Relaxed);
-        Ok(Durable {
-            value: Published {
-                outcome: PublishOutcome::Accepted {
-                    seq,
-                    head: meta.head,
-                },
-                recipients,
-                dropped_for,
+        tx.put(meta_key, l::encode(&meta));
+        usage.stage(tx);
+        Ok(Published {
+            outcome: PublishOutcome::Accepted {
+                seq,
+                head: meta.head,
             },
-            gen,
+            recipients,
+            dropped_for,
         })
     }
 
@@ -567,14 +564,14 @@ impl HubCore {
 
     /// Remove up to `count` frames from the oldest end of a topic's log, or,
     /// with `expired_at`, every frame from the oldest end while it is expired.
-    /// Stages the removals and the new meta into `batch`; returns how many.
-    fn trim_prefix(
+    /// Stages the removals into `tx` and changes `meta`; returns how many.
+    async fn trim_prefix(
         &self,
+        tx: &mut dyn HubTxn,
         topic: &TopicId,
         meta: &mut TopicMeta,
         count: u64,
         expired_at: Option<u64>,
-        batch: &mut WriteBatch,
         usage: &mut UsageStage,
     ) -> Result<u64, HubError> {
         const CHUNK: usize = 256;
@@ -586,15 +583,15 @@ impl HubCore {
         let mut removed = 0u64;
         let mut new_oldest = None;
         'walk: loop {
-            let rows = self
-                .store
+            let rows = tx
                 .range(&cursor, end.as_deref(), CHUNK)
+                .await
                 .map_err(internal)?;
             for (k, v) in &rows {
                 let Some((_, seq)) = l::parse_frame_key(k) else {
                     continue;
                 };
-                let frame = l::decode::<StoredFrame>(k, v).map_err(internal)?;
+                let frame = l::decode::<StoredFrame>(k, v).map_err(kv_internal)?;
                 let expires = frame.expires_at_ms;
                 let keep = removed >= count || expired_at.is_some_and(|at| expires > at);
                 if keep {
@@ -603,11 +600,13 @@ impl HubCore {
                     // their expiry entries spent while this one blocked them:
                     // the new oldest frame carries the trigger that resumes
                     // the walk (a repeated put of the same key is harmless).
-                    batch.put(l::expiry(expires, ExpiryKind::LogFrame, k), vec![]);
+                    tx.put(l::expiry(expires, ExpiryKind::LogFrame, k), vec![]);
                     break 'walk;
                 }
-                batch.delete(k.clone());
-                usage.release_bytes(self, frame.sender, frame.payload.len())?;
+                tx.delete(k.clone());
+                usage
+                    .release_bytes(tx, frame.sender, frame.payload.len())
+                    .await?;
                 meta.removed_through = meta.removed_through.max(seq);
                 meta.log_len = meta.log_len.saturating_sub(1);
                 removed += 1;
@@ -649,15 +648,15 @@ impl HubCore {
                 max: self.limits.max_fetch,
             });
         }
-        let (seen, gen) = {
-            let _g = self.lock();
-            let m: TopicMeta = self.read(&l::topic_meta(topic))?.unwrap_or_default();
-            (m, self.commit.current())
-        };
-        self.durable(gen).await?;
+        let meta_key = l::topic_meta(topic);
+        let seen = transact!(self, tx => {
+            read::<TopicMeta>(&mut *tx, &meta_key).await?.unwrap_or_default()
+        });
+        self.durable(seen.gen).await?;
+        let seen = seen.value;
         // Trims since the snapshot only move `removed_through` and `oldest`
         // forward; report the newest values so a reader never misses a gap.
-        let now: TopicMeta = self.read(&l::topic_meta(topic))?.unwrap_or_default();
+        let now: TopicMeta = self.read_committed(&meta_key).await?.unwrap_or_default();
         let mut messages = Vec::new();
         let mut bytes = 0usize;
         if after < seen.last_seq {
@@ -666,12 +665,13 @@ impl HubCore {
             for (k, v) in self
                 .store
                 .range(&start, Some(&end), limit as usize)
+                .await
                 .map_err(internal)?
             {
                 let Some((_, seq)) = l::parse_frame_key(&k) else {
                     continue;
                 };
-                let f: StoredFrame = l::decode(&k, &v).map_err(internal)?;
+                let f: StoredFrame = l::decode(&k, &v).map_err(kv_internal)?;
                 // Keep the answer within one frame: stop before the payloads
                 // add up past the payload limit (always at least one frame).
                 bytes += f.payload.len();
@@ -695,13 +695,24 @@ impl HubCore {
         })
     }
 
+    /// Read and decode `key` outside a transaction (what is committed now).
+    async fn read_committed<T: serde::de::DeserializeOwned>(
+        &self,
+        key: &[u8],
+    ) -> Result<Option<T>, HubError> {
+        match self.store.get(key).await.map_err(internal)? {
+            Some(bytes) => Ok(Some(l::decode(key, &bytes).map_err(kv_internal)?)),
+            None => Ok(None),
+        }
+    }
+
     /// Subscribe `device` to `topic` (or change the retention of an existing
     /// subscription).
     ///
     /// # Errors
     /// `BadTopic`, `NotAuthorized` (another device's mailbox),
     /// `RetentionTooLong`, `TooManySubscriptions`, `RateLimited`, `Internal`.
-    pub fn subscribe(
+    pub async fn subscribe(
         &self,
         device: DeviceId,
         topic: &TopicId,
@@ -711,29 +722,27 @@ impl HubCore {
         self.check_reader(&device, topic)?;
         let retention_ms = self.retention_ms(retention_secs)?;
         self.rate.check(&device, None)?;
-        let _g = self.lock();
         let skey = l::subscriber(topic, &device);
         let dkey = l::device_meta(&device);
-        let mut dmeta: DeviceMeta = self.read(&dkey)?.unwrap_or_default();
-        let mut batch = WriteBatch::new();
-        if self.store.get(&skey).map_err(internal)?.is_none() {
-            if dmeta.subscriptions >= self.limits.max_subscriptions {
-                return Err(HubError::TooManySubscriptions {
-                    max: self.limits.max_subscriptions,
-                });
+        Ok(transact!(self, tx => {
+            let mut dmeta: DeviceMeta = read(&mut *tx, &dkey).await?.unwrap_or_default();
+            if tx.get(&skey).await.map_err(internal)?.is_none() {
+                if dmeta.subscriptions >= self.limits.max_subscriptions {
+                    return Err(HubError::TooManySubscriptions {
+                        max: self.limits.max_subscriptions,
+                    });
+                }
+                dmeta.subscriptions += 1;
+                tx.put(dkey.clone(), l::encode(&dmeta));
+                tx.put(l::device_subscription(&device, topic), vec![]);
             }
-            dmeta.subscriptions += 1;
-            batch.put(dkey, l::encode(&dmeta));
-            batch.put(l::device_subscription(&device, topic), vec![]);
-        }
-        batch.put(
-            skey,
-            l::encode(&Subscription {
-                retention_secs: retention_ms / 1000,
-            }),
-        );
-        let gen = self.apply(&batch)?;
-        Ok(Durable { value: (), gen })
+            tx.put(
+                skey.clone(),
+                l::encode(&Subscription {
+                    retention_secs: retention_ms / 1000,
+                }),
+            );
+        }))
     }
 
     /// Drop a subscription. Deliveries already queued stay until acked or
@@ -741,29 +750,26 @@ impl HubCore {
     ///
     /// # Errors
     /// `BadTopic`, `Internal`.
-    pub fn unsubscribe(
+    pub async fn unsubscribe(
         &self,
         device: DeviceId,
         topic: &TopicId,
     ) -> Result<Durable<bool>, HubError> {
         self.check_topic(topic)?;
-        let _g = self.lock();
         let skey = l::subscriber(topic, &device);
-        if self.store.get(&skey).map_err(internal)?.is_none() {
-            return Ok(Durable {
-                value: false,
-                gen: self.commit.current(),
-            });
-        }
         let dkey = l::device_meta(&device);
-        let mut dmeta: DeviceMeta = self.read(&dkey)?.unwrap_or_default();
-        dmeta.subscriptions = dmeta.subscriptions.saturating_sub(1);
-        let mut batch = WriteBatch::new();
-        batch.delete(skey);
-        batch.delete(l::device_subscription(&device, topic));
-        batch.put(dkey, l::encode(&dmeta));
-        let gen = self.apply(&batch)?;
-        Ok(Durable { value: true, gen })
+        Ok(transact!(self, tx => {
+            if tx.get(&skey).await.map_err(internal)?.is_none() {
+                false
+            } else {
+                let mut dmeta: DeviceMeta = read(&mut *tx, &dkey).await?.unwrap_or_default();
+                dmeta.subscriptions = dmeta.subscriptions.saturating_sub(1);
+                tx.delete(skey.clone());
+                tx.delete(l::device_subscription(&device, topic));
+                tx.put(dkey.clone(), l::encode(&dmeta));
+                true
+            }
+        }))
     }
 
     /// The highest delivery id ever given to `device` (0: none yet), as
@@ -772,9 +778,11 @@ impl HubCore {
     ///
     /// # Errors
     /// `Internal`.
-    pub fn last_delivery_id(&self, device: DeviceId) -> Result<u64, HubError> {
-        let _g = self.lock();
-        let m: DeviceMeta = self.read(&l::device_meta(&device))?.unwrap_or_default();
+    pub async fn last_delivery_id(&self, device: DeviceId) -> Result<u64, HubError> {
+        let m: DeviceMeta = self
+            .read_committed(&l::device_meta(&device))
+            .await?
+            .unwrap_or_default();
         Ok(m.last_delivery)
     }
 
@@ -794,12 +802,12 @@ impl HubCore {
         after: u64,
         limit: usize,
     ) -> Result<DeliveryBatch, HubError> {
-        let (last, usage, gen) = {
-            let _g = self.lock();
-            let m: DeviceMeta = self.read(&l::device_meta(&device))?.unwrap_or_default();
-            let u: DeviceUsage = self.read(&l::device_usage(&device))?.unwrap_or_default();
-            (m.last_delivery, u, self.commit.current())
-        };
+        let seen = transact!(self, tx => {
+            let m: DeviceMeta = read(&mut *tx, &l::device_meta(&device)).await?.unwrap_or_default();
+            let u: DeviceUsage = read(&mut *tx, &l::device_usage(&device)).await?.unwrap_or_default();
+            (m.last_delivery, u)
+        });
+        let ((last, usage), gen) = (seen.value, seen.gen);
         let dropped = (usage.dropped > 0).then_some((usage.dropped_after, usage.dropped));
         let mut out = DeliveryBatch {
             deliveries: Vec::new(),
@@ -820,6 +828,7 @@ impl HubCore {
         let rows = self
             .store
             .range(&start, Some(&end), limit)
+            .await
             .map_err(internal)?;
         out.more = rows.len() == limit;
         let mut dangling = Vec::new();
@@ -828,12 +837,12 @@ impl HubCore {
                 continue;
             };
             out.scanned_through = id;
-            let r: DeliveryRef = l::decode(&k, &v).map_err(internal)?;
+            let r: DeliveryRef = l::decode(&k, &v).map_err(kv_internal)?;
             let fkey = match r.class {
                 RetentionClass::Log => l::log_frame(&r.topic, r.seq),
                 RetentionClass::Mailbox => l::mailbox_frame(&r.topic, r.seq),
             };
-            match self.read::<StoredFrame>(&fkey)? {
+            match self.read_committed::<StoredFrame>(&fkey).await? {
                 Some(f) => out.deliveries.push(Delivery {
                     id,
                     topic: r.topic,
@@ -852,18 +861,17 @@ impl HubCore {
             out.dropped = dropped;
         }
         if !dangling.is_empty() {
-            let _g = self.lock();
-            let mut batch = WriteBatch::new();
-            let mut usage = UsageStage::new();
-            for k in dangling {
-                // An ack or a purge since the read may have removed it.
-                if self.store.get(&k).map_err(internal)?.is_some() {
-                    batch.delete(k);
-                    usage.release_delivery(self, device)?;
+            transact!(self, tx => {
+                let mut usage = UsageStage::new();
+                for k in &dangling {
+                    // An ack or a purge since the read may have removed it.
+                    if tx.get(k).await.map_err(internal)?.is_some() {
+                        tx.delete(k.clone());
+                        usage.release_delivery(&mut *tx, device).await?;
+                    }
                 }
-            }
-            usage.stage(&mut batch);
-            self.apply(&batch)?;
+                usage.stage(&mut *tx);
+            });
         }
         Ok(out)
     }
@@ -873,17 +881,16 @@ impl HubCore {
     ///
     /// # Errors
     /// `Internal`.
-    pub fn clear_dropped(&self, device: DeviceId, count: u64) -> Result<(), HubError> {
-        let _g = self.lock();
-        let mut usage = UsageStage::new();
-        let u = usage.get(self, device)?;
-        u.dropped = u.dropped.saturating_sub(count);
-        if u.dropped == 0 {
-            u.dropped_after = 0;
-        }
-        let mut batch = WriteBatch::new();
-        usage.stage(&mut batch);
-        self.apply(&batch)?;
+    pub async fn clear_dropped(&self, device: DeviceId, count: u64) -> Result<(), HubError> {
+        transact!(self, tx => {
+            let mut usage = UsageStage::new();
+            let u = usage.get(&mut *tx, device).await?;
+            u.dropped = u.dropped.saturating_sub(count);
+            if u.dropped == 0 {
+                u.dropped_after = 0;
+            }
+            usage.stage(&mut *tx);
+        });
         Ok(())
     }
 
@@ -892,9 +899,11 @@ impl HubCore {
     ///
     /// # Errors
     /// `Internal`.
-    pub fn usage(&self, device: DeviceId) -> Result<DeviceUsage, HubError> {
-        let _g = self.lock();
-        Ok(self.read(&l::device_usage(&device))?.unwrap_or_default())
+    pub async fn usage(&self, device: DeviceId) -> Result<DeviceUsage, HubError> {
+        Ok(self
+            .read_committed(&l::device_usage(&device))
+            .await?
+            .unwrap_or_default())
     }
 
     /// Forget acknowledged deliveries; unknown ids are ignored. A mailbox
@@ -902,80 +911,35 @@ impl HubCore {
     ///
     /// # Errors
     /// `TooManyAcks`, `Internal`.
-    pub fn ack(&self, device: DeviceId, ids: &[u64]) -> Result<Durable<u32>, HubError> {
+    pub async fn ack(&self, device: DeviceId, ids: &[u64]) -> Result<Durable<u32>, HubError> {
         if ids.len() > self.limits.max_acks {
             return Err(HubError::TooManyAcks {
                 count: ids.len() as u64,
                 max: self.limits.max_acks as u64,
             });
         }
-        let _g = self.lock();
-        let mut batch = WriteBatch::new();
-        let mut usage = UsageStage::new();
-        let mut removed = 0u32;
-        let mut frames: BTreeMap<Vec<u8>, Option<StoredFrame>> = BTreeMap::new();
-        let mut seen = std::collections::BTreeSet::new();
-        for id in ids {
-            if !seen.insert(*id) {
-                continue;
-            }
-            let dkey = l::delivery(&device, *id);
-            let Some(r) = self.read::<DeliveryRef>(&dkey)? else {
-                continue;
-            };
-            batch.delete(dkey);
-            removed += 1;
-            usage.release_delivery(self, device)?;
-            if r.class == RetentionClass::Mailbox {
-                self.release_mailbox(&l::mailbox_frame(&r.topic, r.seq), &mut frames)?;
-            }
-        }
-        self.stage_mailbox_frames(frames, &mut batch, &mut usage)?;
-        usage.stage(&mut batch);
-        let gen = self.apply(&batch)?;
-        Ok(Durable {
-            value: removed,
-            gen,
-        })
-    }
-
-    /// Write back the mailbox frames an operation touched: a frame some
-    /// recipient still holds is kept, any other is deleted and its bytes
-    /// are released from its sender's usage. A frame already taken out
-    /// (`None`) had its bytes released when it was taken.
-    fn stage_mailbox_frames(
-        &self,
-        frames: BTreeMap<Vec<u8>, Option<StoredFrame>>,
-        batch: &mut WriteBatch,
-        usage: &mut UsageStage,
-    ) -> Result<(), HubError> {
-        for (k, f) in frames {
-            match f {
-                Some(f) if f.remaining > 0 => batch.put(k, l::encode(&f)),
-                Some(f) => {
-                    usage.release_bytes(self, f.sender, f.payload.len())?;
-                    batch.delete(k);
+        let unique: std::collections::BTreeSet<u64> = ids.iter().copied().collect();
+        Ok(transact!(self, tx => {
+            let mut usage = UsageStage::new();
+            let mut removed = 0u32;
+            let mut frames: BTreeMap<Vec<u8>, Option<StoredFrame>> = BTreeMap::new();
+            for id in &unique {
+                let dkey = l::delivery(&device, *id);
+                let Some(r) = read::<DeliveryRef>(&mut *tx, &dkey).await? else {
+                    continue;
+                };
+                tx.delete(dkey);
+                removed += 1;
+                usage.release_delivery(&mut *tx, device).await?;
+                if r.class == RetentionClass::Mailbox {
+                    release_mailbox(&mut *tx, &l::mailbox_frame(&r.topic, r.seq), &mut frames)
+                        .await?;
                 }
-                None => batch.delete(k),
             }
-        }
-        Ok(())
-    }
-
-    /// Count one recipient of a mailbox frame as done, staging in `frames`.
-    fn release_mailbox(
-        &self,
-        fkey: &[u8],
-        frames: &mut BTreeMap<Vec<u8>, Option<StoredFrame>>,
-    ) -> Result<(), HubError> {
-        if !frames.contains_key(fkey) {
-            let f = self.read::<StoredFrame>(fkey)?;
-            frames.insert(fkey.to_vec(), f);
-        }
-        if let Some(Some(f)) = frames.get_mut(fkey) {
-            f.remaining = f.remaining.saturating_sub(1);
-        }
-        Ok(())
+            stage_mailbox_frames(&mut *tx, frames, &mut usage).await?;
+            usage.stage(&mut *tx);
+            removed
+        }))
     }
 
     /// Add key packages to `device`'s pool (all or none) and optionally set
@@ -983,7 +947,7 @@ impl HubCore {
     ///
     /// # Errors
     /// `BadKeyPackage`, `KeyPackagePoolFull`, `RateLimited`, `Internal`.
-    pub fn upload_key_packages(
+    pub async fn upload_key_packages(
         &self,
         device: DeviceId,
         packages: &[Vec<u8>],
@@ -999,32 +963,28 @@ impl HubCore {
             }
         }
         self.rate.check(&device, None)?;
-        let _g = self.lock();
         let mkey = l::key_package_meta(&device);
-        let mut meta: KeyPackageMeta = self.read(&mkey)?.unwrap_or_default();
-        let adding = packages.len() as u64;
-        if meta.pool as u64 + adding > self.limits.max_key_packages as u64 {
-            return Err(HubError::KeyPackagePoolFull {
-                pool: meta.pool,
-                adding: adding.min(u32::MAX as u64) as u32,
-                max: self.limits.max_key_packages,
-            });
-        }
-        let mut batch = WriteBatch::new();
-        for kp in packages {
-            batch.put(l::key_package(&device, meta.next), kp.clone());
-            meta.next += 1;
-            meta.pool += 1;
-        }
-        if last_resort.is_some() {
-            meta.last_resort = last_resort;
-        }
-        batch.put(mkey, l::encode(&meta));
-        let gen = self.apply(&batch)?;
-        Ok(Durable {
-            value: meta.pool,
-            gen,
-        })
+        Ok(transact!(self, tx => {
+            let mut meta: KeyPackageMeta = read(&mut *tx, &mkey).await?.unwrap_or_default();
+            let adding = packages.len() as u64;
+            if meta.pool as u64 + adding > self.limits.max_key_packages as u64 {
+                return Err(HubError::KeyPackagePoolFull {
+                    pool: meta.pool,
+                    adding: adding.min(u32::MAX as u64) as u32,
+                    max: self.limits.max_key_packages,
+                });
+            }
+            for kp in packages {
+                tx.put(l::key_package(&device, meta.next), kp.clone());
+                meta.next += 1;
+                meta.pool += 1;
+            }
+            if last_resort.is_some() {
+                meta.last_resort = last_resort.clone();
+            }
+            tx.put(mkey.clone(), l::encode(&meta));
+            meta.pool
+        }))
     }
 
     /// Claim one of `device`'s key packages: each pool package goes to exactly
@@ -1038,7 +998,7 @@ impl HubCore {
     /// # Errors
     /// `RateLimited` (`device`, `claimer` or `target`; nothing is handed
     /// out, not even the last resort), `NoKeyPackage`, `Internal`.
-    pub fn claim_key_package(
+    pub async fn claim_key_package(
         &self,
         claimer: DeviceId,
         device: DeviceId,
@@ -1048,41 +1008,42 @@ impl HubCore {
             RateKey::Claimer(&claimer),
             RateKey::Target(&device),
         ])?;
-        let _g = self.lock();
         let mkey = l::key_package_meta(&device);
-        let mut meta: KeyPackageMeta = self.read(&mkey)?.unwrap_or_default();
-        let mut gen = self.commit.current();
-        if meta.pool > 0 {
-            let rows = self
-                .store
-                .scan_prefix(&l::key_package_prefix(&device), 1)
-                .map_err(internal)?;
-            let mut batch = WriteBatch::new();
-            match rows.into_iter().next() {
-                Some((k, v)) => {
-                    meta.pool -= 1;
-                    batch.delete(k);
-                    batch.put(mkey, l::encode(&meta));
-                    let gen = self.apply(&batch)?;
-                    return Ok(Durable {
-                        value: (v, false),
-                        gen,
-                    });
+        let prefix = l::key_package_prefix(&device);
+        let prefix_end = crate::kv::prefix_end(&prefix);
+        let claimed = transact!(self, tx => {
+            let mut meta: KeyPackageMeta = read(&mut *tx, &mkey).await?.unwrap_or_default();
+            let mut from_pool = None;
+            if meta.pool > 0 {
+                let rows = tx
+                    .range(&prefix, prefix_end.as_deref(), 1)
+                    .await
+                    .map_err(internal)?;
+                match rows.into_iter().next() {
+                    Some((k, v)) => {
+                        meta.pool -= 1;
+                        tx.delete(k);
+                        from_pool = Some(v);
+                    }
+                    None => {
+                        // The stored packages are the truth: a count with
+                        // none behind it is repaired, and only then is the
+                        // pool empty.
+                        tracing::error!(%device, pool = meta.pool, "key package count without packages; repaired");
+                        meta.pool = 0;
+                    }
                 }
-                None => {
-                    // The stored packages are the truth: a count with none
-                    // behind it is repaired, and only then is the pool empty.
-                    tracing::error!(%device, pool = meta.pool, "key package count without packages; repaired");
-                    meta.pool = 0;
-                    batch.put(mkey, l::encode(&meta));
-                    gen = self.apply(&batch)?;
-                }
+                tx.put(mkey.clone(), l::encode(&meta));
             }
-        }
-        match meta.last_resort {
-            Some(kp) => Ok(Durable {
-                value: (kp, true),
-                gen,
+            match from_pool {
+                Some(kp) => Some((kp, false)),
+                None => meta.last_resort.map(|kp| (kp, true)),
+            }
+        });
+        match claimed.value {
+            Some(value) => Ok(Durable {
+                value,
+                gen: claimed.gen,
             }),
             None => Err(HubError::NoKeyPackage),
         }
@@ -1093,15 +1054,15 @@ impl HubCore {
     ///
     /// # Errors
     /// `Internal`.
-    pub fn key_package_status(&self, device: DeviceId) -> Result<Durable<(u32, bool)>, HubError> {
-        let _g = self.lock();
-        let meta: KeyPackageMeta = self
-            .read(&l::key_package_meta(&device))?
-            .unwrap_or_default();
-        Ok(Durable {
-            value: (meta.pool, meta.last_resort.is_some()),
-            gen: self.commit.current(),
-        })
+    pub async fn key_package_status(
+        &self,
+        device: DeviceId,
+    ) -> Result<Durable<(u32, bool)>, HubError> {
+        let mkey = l::key_package_meta(&device);
+        Ok(transact!(self, tx => {
+            let meta: KeyPackageMeta = read(&mut *tx, &mkey).await?.unwrap_or_default();
+            (meta.pool, meta.last_resort.is_some())
+        }))
     }
 
     /// Drop everything whose retention ran out by `now_ms` (the clock's now
@@ -1109,106 +1070,152 @@ impl HubCore {
     ///
     /// # Errors
     /// `Internal`.
-    pub fn purge(&self, now_ms: Option<u64>) -> Result<Durable<PurgeReport>, HubError> {
+    pub async fn purge(&self, now_ms: Option<u64>) -> Result<Durable<PurgeReport>, HubError> {
+        const PAGE: usize = 512;
         let now = now_ms.unwrap_or_else(|| self.clock.now_ms());
         self.rate.prune();
         let mut report = PurgeReport::default();
-        let mut gen = self.commit.current();
         loop {
-            let _g = self.lock();
-            let rows = self
-                .store
-                .range(&l::expiry_start(), Some(&l::expiry_end(now)), 512)
-                .map_err(internal)?;
-            if rows.is_empty() {
-                break;
-            }
-            let mut batch = WriteBatch::new();
-            let mut usage = UsageStage::new();
-            let mut frames: BTreeMap<Vec<u8>, Option<StoredFrame>> = BTreeMap::new();
-            let mut metas: BTreeMap<TopicId, TopicMeta> = BTreeMap::new();
-            let mut deleted = std::collections::BTreeSet::new();
-            for (ek, _) in &rows {
-                batch.delete(ek.clone());
-                let Some((kind, target)) = l::parse_expiry(ek) else {
-                    continue;
-                };
-                match kind {
-                    ExpiryKind::PublishRecord => {
-                        if deleted.insert(target.to_vec())
-                            && self.store.get(target).map_err(internal)?.is_some()
-                        {
-                            batch.delete(target.to_vec());
-                            report.publish_records += 1;
-                        }
-                    }
-                    ExpiryKind::Delivery => {
-                        if !deleted.insert(target.to_vec()) {
-                            continue;
-                        }
-                        if let Some(r) = self.read::<DeliveryRef>(target)? {
-                            batch.delete(target.to_vec());
-                            report.deliveries += 1;
-                            if let Some((device, _)) = l::parse_delivery(target) {
-                                usage.release_delivery(self, device)?;
-                            }
-                            if r.class == RetentionClass::Mailbox {
-                                self.release_mailbox(
-                                    &l::mailbox_frame(&r.topic, r.seq),
-                                    &mut frames,
-                                )?;
-                            }
-                        }
-                    }
-                    ExpiryKind::MailboxFrame => {
-                        if !frames.contains_key(target) {
-                            let f = self.read::<StoredFrame>(target)?;
-                            frames.insert(target.to_vec(), f);
-                        }
-                        if let Some(slot) = frames.get_mut(target) {
-                            if let Some(f) = slot.take() {
-                                usage.release_bytes(self, f.sender, f.payload.len())?;
-                                report.mailbox_frames += 1;
-                            }
-                        }
-                    }
-                    ExpiryKind::LogFrame => {
-                        let Some((topic, _)) = l::parse_frame_key(target) else {
-                            continue;
-                        };
-                        if metas.contains_key(&topic) {
-                            continue;
-                        }
-                        let mut meta: TopicMeta =
-                            self.read(&l::topic_meta(&topic))?.unwrap_or_default();
-                        let n = self.trim_prefix(
-                            &topic,
-                            &mut meta,
-                            u64::MAX,
-                            Some(now),
-                            &mut batch,
-                            &mut usage,
-                        )?;
-                        report.log_frames += n;
-                        metas.insert(topic, meta);
-                    }
-                }
-            }
-            self.stage_mailbox_frames(frames, &mut batch, &mut usage)?;
-            for (topic, meta) in metas {
-                batch.put(l::topic_meta(&topic), l::encode(&meta));
-            }
-            usage.stage(&mut batch);
-            gen = self.apply(&batch)?;
-            if rows.len() < 512 {
-                break;
+            let pass = transact!(self, tx => self.purge_page(&mut *tx, now, PAGE).await?);
+            let (part, rows) = pass.value;
+            report.log_frames += part.log_frames;
+            report.mailbox_frames += part.mailbox_frames;
+            report.deliveries += part.deliveries;
+            report.publish_records += part.publish_records;
+            if rows < PAGE {
+                return Ok(Durable {
+                    value: report,
+                    gen: pass.gen,
+                });
             }
         }
-        Ok(Durable { value: report, gen })
+    }
+
+    /// One page of [`HubCore::purge`]: up to `page` expiry entries due by
+    /// `now`, and what they name. Returns what it removed and how many
+    /// entries it read.
+    async fn purge_page(
+        &self,
+        tx: &mut dyn HubTxn,
+        now: u64,
+        page: usize,
+    ) -> Result<(PurgeReport, usize), HubError> {
+        let mut report = PurgeReport::default();
+        let rows = tx
+            .range(&l::expiry_start(), Some(&l::expiry_end(now)), page)
+            .await
+            .map_err(internal)?;
+        let mut usage = UsageStage::new();
+        let mut frames: BTreeMap<Vec<u8>, Option<StoredFrame>> = BTreeMap::new();
+        let mut metas: BTreeMap<TopicId, TopicMeta> = BTreeMap::new();
+        let mut deleted = std::collections::BTreeSet::new();
+        for (ek, _) in &rows {
+            tx.delete(ek.clone());
+            let Some((kind, target)) = l::parse_expiry(ek) else {
+                continue;
+            };
+            match kind {
+                ExpiryKind::PublishRecord => {
+                    if deleted.insert(target.to_vec())
+                        && tx.get(target).await.map_err(internal)?.is_some()
+                    {
+                        tx.delete(target.to_vec());
+                        report.publish_records += 1;
+                    }
+                }
+                ExpiryKind::Delivery => {
+                    if !deleted.insert(target.to_vec()) {
+                        continue;
+                    }
+                    if let Some(r) = read::<DeliveryRef>(tx, target).await? {
+                        tx.delete(target.to_vec());
+                        report.deliveries += 1;
+                        if let Some((device, _)) = l::parse_delivery(target) {
+                            usage.release_delivery(tx, device).await?;
+                        }
+                        if r.class == RetentionClass::Mailbox {
+                            release_mailbox(tx, &l::mailbox_frame(&r.topic, r.seq), &mut frames)
+                                .await?;
+                        }
+                    }
+                }
+                ExpiryKind::MailboxFrame => {
+                    if !frames.contains_key(target) {
+                        let f = read::<StoredFrame>(tx, target).await?;
+                        frames.insert(target.to_vec(), f);
+                    }
+                    if let Some(slot) = frames.get_mut(target) {
+                        if let Some(f) = slot.take() {
+                            usage.release_bytes(tx, f.sender, f.payload.len()).await?;
+                            report.mailbox_frames += 1;
+                        }
+                    }
+                }
+                ExpiryKind::LogFrame => {
+                    let Some((topic, _)) = l::parse_frame_key(target) else {
+                        continue;
+                    };
+                    if metas.contains_key(&topic) {
+                        continue;
+                    }
+                    let mut meta: TopicMeta =
+                        read(tx, &l::topic_meta(&topic)).await?.unwrap_or_default();
+                    let n = self
+                        .trim_prefix(tx, &topic, &mut meta, u64::MAX, Some(now), &mut usage)
+                        .await?;
+                    report.log_frames += n;
+                    metas.insert(topic, meta);
+                }
+            }
+        }
+        stage_mailbox_frames(tx, frames, &mut usage).await?;
+        for (topic, meta) in metas {
+            tx.put(l::topic_meta(&topic), l::encode(&meta));
+        }
+        usage.stage(tx);
+        Ok((report, rows.len()))
     }
 
     /// The wall clock this core uses.
     pub fn now_ms(&self) -> u64 {
         self.clock.now_ms()
     }
+}
+
+/// Write back the mailbox frames an operation touched: a frame some
+/// recipient still holds is kept, any other is deleted and its bytes are
+/// released from its sender's usage. A frame already taken out (`None`) had
+/// its bytes released when it was taken.
+async fn stage_mailbox_frames(
+    tx: &mut dyn HubTxn,
+    frames: BTreeMap<Vec<u8>, Option<StoredFrame>>,
+    usage: &mut UsageStage,
+) -> Result<(), HubError> {
+    for (k, f) in frames {
+        match f {
+            Some(f) if f.remaining > 0 => tx.put(k, l::encode(&f)),
+            Some(f) => {
+                usage.release_bytes(tx, f.sender, f.payload.len()).await?;
+                tx.delete(k);
+            }
+            None => tx.delete(k),
+        }
+    }
+    Ok(())
+}
+
+/// Count one recipient of a mailbox frame as done, staging in `frames`.
+async fn release_mailbox(
+    tx: &mut dyn HubTxn,
+    fkey: &[u8],
+    frames: &mut BTreeMap<Vec<u8>, Option<StoredFrame>>,
+) -> Result<(), HubError> {
+    if !frames.contains_key(fkey) {
+        let f = read::<StoredFrame>(tx, fkey).await?;
+        frames.insert(fkey.to_vec(), f);
+    }
+    if let Some(Some(f)) = frames.get_mut(fkey) {
+        f.remaining = f.remaining.saturating_sub(1);
+    }
+    Ok(())
 }

@@ -87,10 +87,14 @@ impl GroupCommit {
 
     /// Flush until nothing applied is left unflushed, then return. Runs on the
     /// caller's task (used at shutdown and by the flusher loop).
-    pub(crate) async fn flush_now(&self, store: &Arc<dyn KvStore>) {
+    ///
+    /// # Errors
+    /// The engine's error text when the flush failed (also recorded for
+    /// every waiter it covered).
+    pub(crate) async fn flush_now(&self, store: &Arc<dyn KvStore>) -> Result<(), String> {
         let target = self.current();
         if self.state.borrow().durable >= target {
-            return;
+            return Ok(());
         }
         let result = if store.flush_blocks() {
             let s = store.clone();
@@ -102,21 +106,24 @@ impl GroupCommit {
             store.flush().map_err(|e| e.to_string())
         };
         self.flushes.fetch_add(1, Ordering::Relaxed);
-        self.state.send_modify(|s| match result {
+        self.state.send_modify(|s| match &result {
             Ok(()) => s.durable = s.durable.max(target),
             Err(e) => {
                 tracing::error!(error = %e, "store flush failed");
                 s.failed_through = s.failed_through.max(target);
-                s.error = Some(e);
+                s.error = Some(e.clone());
             }
         });
+        result
     }
 
     /// The flusher loop: flush whenever a waiter asks. Runs until cancelled.
     pub(crate) async fn run(self: Arc<Self>, store: Arc<dyn KvStore>) {
         loop {
             self.wake.notified().await;
-            self.flush_now(&store).await;
+            // A failure reaches every waiter the flush covered; the next
+            // wait tries again.
+            let _ = self.flush_now(&store).await;
         }
     }
 }

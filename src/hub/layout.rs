@@ -4,7 +4,7 @@
 //! key order is numeric order. Topic ids are length-prefixed so that one
 //! topic's keys never share a prefix with another's. Values are postcard.
 
-use crate::kv::{KvError, KvStore};
+use crate::kv::KvError;
 use crate::wire::{DeviceId, PublishId, RetentionClass, TopicId};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -316,17 +316,6 @@ pub(crate) fn decode<T: DeserializeOwned>(key: &[u8], bytes: &[u8]) -> Result<T,
         key: hex::encode(key),
         reason: e.to_string(),
     })
-}
-
-/// Read and decode the record under `key`.
-pub(crate) fn read<T: DeserializeOwned>(
-    store: &dyn KvStore,
-    key: &[u8],
-) -> Result<Option<T>, KvError> {
-    match store.get(key)? {
-        Some(bytes) => Ok(Some(decode(key, &bytes)?)),
-        None => Ok(None),
-    }
 }
 
 #[cfg(test)]

@@ -1,8 +1,9 @@
 //! The hub: a group-blind publish/subscribe store over opaque topics.
 //!
-//! [`HubCore`] holds the protocol logic over a [`KvStore`]; [`Hub`] drives it
-//! over WebSocket connections from any [`Listener`], with a group-commit
-//! flusher and a retention purge running beside it.
+//! [`HubCore`] holds the protocol logic over a [`HubStore`] (one transaction
+//! per call); [`Hub`] drives it over WebSocket connections from any
+//! [`Listener`], with the store's background work (for [`KvHubStore`], the
+//! group-commit flusher) and a retention purge running beside it.
 
 mod core;
 mod flush;
@@ -10,6 +11,7 @@ mod layout;
 mod limits;
 mod rules;
 mod server;
+mod store;
 
 #[cfg(test)]
 mod model_tests;
@@ -19,24 +21,7 @@ mod quota_tests;
 pub use self::core::{DeliveryBatch, Durable, HubCore, Published, PurgeReport};
 pub use self::layout::DeviceUsage;
 pub use self::limits::{Limits, Rate};
-/// The hub's storage trait: the crate's one key-value trait, so the
-/// simulation's crash-semantics store and sled serve the hub alike.
-///
-/// What the hub's guarantees rest on, over any implementation:
-/// - **The compare-and-set is atomic** because [`HubCore`] reads a topic's
-///   view (its idempotency record and head), decides with the pure publish
-///   rules, and applies every write of the outcome as one batch, all under
-///   one write lock of the core: no other publish to any topic runs
-///   between the read and the apply. So one core owns its store; two cores
-///   (two processes) over one store would need the store itself to make
-///   the read-decide-write step one transaction, which is what a shared
-///   SQL store will have to provide.
-/// - **Atomic on crash**: a batch lands whole or not at all
-///   ([`KvStore::apply`]).
-/// - **Durable when answered**: nothing is answered, and no delivery is
-///   pushed, before a flush covering its batch has returned (group commit:
-///   one flush covers every batch applied while the previous flush ran).
-pub use crate::kv::KvStore as HubStore;
+pub use self::store::{Generation, HubStore, HubTxn, KvHubStore, StoreError};
 
 use crate::clock::Clock;
 use crate::kv::KvStore;
@@ -127,6 +112,9 @@ pub struct HubMetrics {
     pub head_mismatches: u64,
     /// Publishes refused as `conflict`.
     pub conflicts: u64,
+    /// Calls run again because their store transaction conflicted with
+    /// another's (only on a store shared by several processes).
+    pub conflict_retries: u64,
     /// Replays answered `history_missing`.
     pub history_missing: u64,
     /// Deliveries pushed on receive streams.
@@ -204,9 +192,8 @@ pub struct Hub {
 }
 
 impl Hub {
-    /// Start a hub over `store` (which may hold a previous run's state): the
-    /// flusher and the retention purge start now; connections are served by
-    /// [`Hub::serve`].
+    /// Start a hub over the key-value store `kv` (which may hold a previous
+    /// run's state), through a [`KvHubStore`]: see [`Hub::start_on`].
     ///
     /// A store that holds no identity yet gets one now, drawn from `rng`
     /// and flushed before this returns (one blocking flush); a store that
@@ -218,7 +205,24 @@ impl Hub {
     /// [`HubStartError`] when the configuration is invalid, or `Store` when
     /// the store's identity cannot be read or made durable.
     pub fn start(
-        store: Arc<dyn KvStore>,
+        kv: Arc<dyn KvStore>,
+        config: HubConfig,
+        clock: Clock,
+        rng: SharedRng,
+    ) -> Result<Hub, HubStartError> {
+        let store = KvHubStore::open(kv, &rng)?;
+        Self::start_on(store, config, clock, rng)
+    }
+
+    /// Start a hub over `store`: the store's background work and the
+    /// retention purge start now; connections are served by [`Hub::serve`].
+    ///
+    /// Must be called inside a tokio runtime.
+    ///
+    /// # Errors
+    /// [`HubStartError`] when the configuration is invalid.
+    pub fn start_on(
+        store: Arc<dyn HubStore>,
         config: HubConfig,
         clock: Clock,
         rng: SharedRng,
@@ -235,8 +239,8 @@ impl Hub {
         if !scheme_ok {
             return Err(HubStartError::Url(config.url.clone()));
         }
-        let core = HubCore::open(store.clone(), config.limits.clone(), clock.clone(), &rng)?;
-        let flusher = tokio::spawn(core.group_commit().clone().run(store));
+        let flusher = tokio::spawn(store.background());
+        let core = HubCore::open(store, config.limits.clone(), clock.clone());
         let shared = Arc::new(HubShared {
             core,
             config,
@@ -257,7 +261,7 @@ impl Hub {
                     _ = purger.shutdown.cancelled() => break,
                     _ = tokio::time::sleep(interval) => {}
                 }
-                match purger.core.purge(None) {
+                match purger.core.purge(None).await {
                     Ok(d) if d.value != PurgeReport::default() => {
                         tracing::info!(report = ?d.value, "retention purge");
                     }
@@ -321,7 +325,7 @@ impl Hub {
     /// # Errors
     /// `Internal` when the store failed.
     pub async fn purge_now(&self) -> Result<PurgeReport, crate::wire::HubError> {
-        let d = self.shared.core.purge(None)?;
+        let d = self.shared.core.purge(None).await?;
         self.shared.core.durable(d.gen).await?;
         Ok(d.value)
     }
@@ -340,9 +344,10 @@ impl Hub {
             duplicates: r(&c.duplicates),
             head_mismatches: r(&c.head_mismatches),
             conflicts: r(&c.conflicts),
+            conflict_retries: r(&c.conflict_retries),
             history_missing: r(&c.history_missing),
             deliveries_pushed: r(&s.pushed),
-            flushes: self.shared.core.group_commit().flush_count(),
+            flushes: self.shared.core.store().flushes(),
             trimmed: r(&c.trimmed),
             unauthenticated: r(&s.unauthenticated),
             unauthenticated_refused: r(&s.unauthenticated_refused),
@@ -362,8 +367,11 @@ impl Hub {
         self.shared.shutdown.cancel();
         self.shared.tasks.close();
         self.shared.tasks.wait().await;
-        let gc = self.shared.core.group_commit();
-        gc.flush_now(self.shared.core.store()).await;
+        if let Err(e) = self.shared.core.store().close().await {
+            // Nothing is answered after this, so no device was told of
+            // what the failed flush covered; the operator is.
+            tracing::error!(error = %e, "hub store: the final flush failed");
+        }
         let flusher = self
             .flusher
             .lock()

@@ -5,14 +5,18 @@
 
 use super::core::HubCore;
 use super::limits::Limits;
+use super::store::{Generation, HubStore, HubTxn, KvHubStore, StoreError};
 use crate::clock::Clock;
-use crate::kv::{KvStore, MemKv};
+use crate::kv::{Entries, KvStore, MemKv};
 use crate::wire::{
     DeviceId, ExpectedHead, FetchResult, HubError, Publish, PublishId, PublishOutcome,
     RetentionClass, TopicId,
 };
+use futures::future::BoxFuture;
+use futures::FutureExt;
 use proptest::prelude::*;
 use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -200,20 +204,123 @@ fn view(f: &FetchResult) -> FetchView {
     )
 }
 
-fn new_core(kv: &MemKv, origin: u64) -> (Arc<HubCore>, tokio::task::JoinHandle<()>) {
+/// A store whose every third transaction loses at commit (writing nothing),
+/// as transactions on a store shared by several hub processes may: the core
+/// must run the call again and answer exactly as if it had not conflicted.
+struct Conflicting {
+    inner: Arc<KvHubStore>,
+    begun: AtomicU64,
+    /// Every transaction conflicts (the retries run out).
+    always: bool,
+}
+
+struct ConflictingTxn {
+    inner: Box<dyn HubTxn>,
+    conflict: bool,
+}
+
+impl HubTxn for ConflictingTxn {
+    fn get<'a>(&'a mut self, key: &'a [u8]) -> BoxFuture<'a, Result<Option<Vec<u8>>, StoreError>> {
+        self.inner.get(key)
+    }
+    fn range<'a>(
+        &'a mut self,
+        start: &'a [u8],
+        end: Option<&'a [u8]>,
+        limit: usize,
+    ) -> BoxFuture<'a, Result<Entries, StoreError>> {
+        self.inner.range(start, end, limit)
+    }
+    fn put(&mut self, key: Vec<u8>, value: Vec<u8>) {
+        self.inner.put(key, value)
+    }
+    fn delete(&mut self, key: Vec<u8>) {
+        self.inner.delete(key)
+    }
+    fn commit(self: Box<Self>) -> BoxFuture<'static, Result<Generation, StoreError>> {
+        if self.conflict {
+            // Dropped uncommitted: nothing of it is written.
+            drop(self.inner);
+            return futures::future::ready(Err(StoreError::Conflict)).boxed();
+        }
+        self.inner.commit()
+    }
+}
+
+impl HubStore for Conflicting {
+    fn store_id(&self) -> crate::wire::StoreId {
+        self.inner.store_id()
+    }
+    fn begin(&self) -> BoxFuture<'_, Result<Box<dyn HubTxn>, StoreError>> {
+        async move {
+            let inner = self.inner.begin().await?;
+            let n = self.begun.fetch_add(1, Ordering::Relaxed);
+            let txn: Box<dyn HubTxn> = Box::new(ConflictingTxn {
+                inner,
+                conflict: self.always || n.is_multiple_of(3),
+            });
+            Ok(txn)
+        }
+        .boxed()
+    }
+    fn get<'a>(&'a self, key: &'a [u8]) -> BoxFuture<'a, Result<Option<Vec<u8>>, StoreError>> {
+        self.inner.get(key)
+    }
+    fn range<'a>(
+        &'a self,
+        start: &'a [u8],
+        end: Option<&'a [u8]>,
+        limit: usize,
+    ) -> BoxFuture<'a, Result<Entries, StoreError>> {
+        self.inner.range(start, end, limit)
+    }
+    fn durable(&self, gen: Generation) -> BoxFuture<'_, Result<(), StoreError>> {
+        self.inner.durable(gen)
+    }
+    fn background(&self) -> BoxFuture<'static, ()> {
+        self.inner.background()
+    }
+    fn close(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        self.inner.close()
+    }
+    fn flushes(&self) -> u64 {
+        self.inner.flushes()
+    }
+}
+
+/// A core over `kv` whose clock starts at `origin`, over a [`Conflicting`]
+/// store when `conflicts` says so (`Some(always)`).
+fn new_core_on(
+    kv: &MemKv,
+    origin: u64,
+    conflicts: Option<bool>,
+) -> (Arc<HubCore>, tokio::task::JoinHandle<()>) {
     let limits = Limits {
         max_log_depth: DEPTH,
         max_stored_bytes: QUOTA,
         ..Limits::unthrottled()
     };
     let rng = crate::rng::SharedRng::seeded(origin);
-    let core = HubCore::open(Arc::new(kv.clone()), limits, Clock::tokio(origin), &rng)
-        .expect("a MemKv store opens");
-    let flusher = tokio::spawn(core.group_commit().clone().run(core.store().clone()));
+    let store = KvHubStore::open(Arc::new(kv.clone()), &rng).expect("a MemKv store opens");
+    let flusher = tokio::spawn(store.background());
+    let store: Arc<dyn HubStore> = match conflicts {
+        None => store,
+        Some(always) => Arc::new(Conflicting {
+            inner: store,
+            begun: AtomicU64::new(0),
+            always,
+        }),
+    };
+    let core = HubCore::open(store, limits, Clock::tokio(origin));
     (core, flusher)
 }
 
 fn run(ops: Vec<Op>) {
+    run_on(ops, None)
+}
+
+/// [`run`] over a store that conflicts (see [`new_core_on`]).
+fn run_on(ops: Vec<Op>, conflicts: Option<bool>) {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .start_paused(true)
@@ -222,7 +329,7 @@ fn run(ops: Vec<Op>) {
     rt.block_on(async move {
         let kv = MemKv::new();
         let origin = 1_000_000;
-        let (mut core, mut flusher) = new_core(&kv, origin);
+        let (mut core, mut flusher) = new_core_on(&kv, origin, conflicts);
         let store_id = core.store_id();
         let mut clock_offset = 0u64; // ms advanced since the core's origin
         let mut model = Model::default();
@@ -283,6 +390,7 @@ fn run(ops: Vec<Op>) {
                                 writer: None,
                             },
                         )
+                        .await
                         .map(|d| d.value.outcome);
                     assert_eq!(got, want);
                 }
@@ -293,7 +401,7 @@ fn run(ops: Vec<Op>) {
                 Op::Purge => {
                     let now = core.now_ms();
                     model.purge(now);
-                    core.purge(None).unwrap();
+                    core.purge(None).await.unwrap();
                 }
                 Op::Fetch {
                     topic,
@@ -313,14 +421,14 @@ fn run(ops: Vec<Op>) {
                     }
                 }
                 Op::Flush => {
-                    core.group_commit().flush_now(core.store()).await;
+                    core.store().close().await.expect("MemKv flushes");
                     durable = model.clone();
                 }
                 Op::Crash => {
                     flusher.abort();
                     kv.crash();
                     // The restarted hub's clock carries on where it was.
-                    (core, flusher) = new_core(&kv, origin + clock_offset);
+                    (core, flusher) = new_core_on(&kv, origin + clock_offset, conflicts);
                     // Read back, not drawn again from the (other) seed.
                     assert_eq!(core.store_id(), store_id, "a crash keeps the identity");
                     tokio::time::advance(Duration::ZERO).await;
@@ -329,7 +437,7 @@ fn run(ops: Vec<Op>) {
             }
             // The usage record moves in the same batches as the frames.
             assert_eq!(
-                core.usage(sender).unwrap().stored_bytes,
+                core.usage(sender).await.unwrap().stored_bytes,
                 model.stored_bytes(),
                 "stored bytes after {op_name}"
             );
@@ -346,6 +454,110 @@ proptest! {
     fn hub_log_matches_model(ops in proptest::collection::vec(op(), 1..80)) {
         run(ops);
     }
+
+    /// Every third transaction conflicts: each call runs again, and the hub
+    /// still answers exactly what the model says (nothing doubled, nothing
+    /// half-written).
+    #[test]
+    fn hub_log_matches_model_when_transactions_conflict(
+        ops in proptest::collection::vec(op(), 1..80)
+    ) {
+        run_on(ops, Some(false));
+    }
+}
+
+/// A store on which every transaction conflicts: after its retries the call
+/// is refused as `Internal`, and nothing was written.
+#[test]
+fn conflicts_without_end_are_refused_and_write_nothing() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .start_paused(true)
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let kv = MemKv::new();
+        let (core, flusher) = new_core_on(&kv, 1_000_000, Some(true));
+        let before = kv.range(&[], None, usize::MAX).unwrap();
+        let got = core
+            .publish(
+                DeviceId([1; 32]),
+                Publish {
+                    topic: topic_id(0),
+                    publish_id: PublishId([7; 32]),
+                    payload: vec![1],
+                    class: RetentionClass::Log,
+                    expected_head: ExpectedHead::Empty,
+                    replay_only: false,
+                    retention_secs: None,
+                    writer: None,
+                },
+            )
+            .await;
+        assert!(
+            matches!(got, Err(HubError::Internal { .. })),
+            "an endless conflict is refused: {got:?}"
+        );
+        assert_eq!(kv.range(&[], None, usize::MAX).unwrap(), before);
+        assert_eq!(
+            core.counters.conflict_retries.load(Ordering::Relaxed),
+            u64::from(super::core::MAX_CONFLICT_RETRIES)
+        );
+        flusher.abort();
+    });
+}
+
+/// Two cores over one store (two hub processes over one database, in
+/// miniature) race a compare-and-set on the same head: the store's
+/// isolation lets exactly one win.
+#[test]
+fn two_cores_over_one_store_let_exactly_one_compare_and_set_win() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let kv = MemKv::new();
+        let store = KvHubStore::open(Arc::new(kv.clone()), &crate::rng::SharedRng::seeded(5))
+            .expect("a MemKv store opens");
+        let flusher = tokio::spawn(store.background());
+        let cores: Vec<Arc<HubCore>> = (0..2)
+            .map(|_| HubCore::open(store.clone(), Limits::unthrottled(), Clock::System))
+            .collect();
+        let mut racers = Vec::new();
+        for i in 0..16u8 {
+            let core = cores[usize::from(i % 2)].clone();
+            racers.push(tokio::spawn(async move {
+                let p = Publish {
+                    topic: topic_id(0),
+                    publish_id: PublishId([i; 32]),
+                    payload: vec![i],
+                    class: RetentionClass::Log,
+                    expected_head: ExpectedHead::Empty,
+                    replay_only: false,
+                    retention_secs: None,
+                    writer: None,
+                };
+                let d = core.publish(DeviceId([i + 1; 32]), p).await.unwrap();
+                core.durable(d.gen).await.unwrap();
+                d.value.outcome
+            }));
+        }
+        let mut accepted = 0;
+        for r in racers {
+            match r.await.unwrap() {
+                PublishOutcome::Accepted { seq, .. } => {
+                    assert_eq!(seq, 1);
+                    accepted += 1;
+                }
+                PublishOutcome::HeadMismatch { current } => assert_eq!(current, Some(1)),
+                other => panic!("unexpected outcome {other:?}"),
+            }
+        }
+        assert_eq!(accepted, 1, "exactly one compare-and-set wins");
+        flusher.abort();
+    });
 }
 
 #[test]

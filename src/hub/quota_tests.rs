@@ -7,6 +7,7 @@
 use super::core::HubCore;
 use super::layout::{self as l, StoredFrame};
 use super::limits::Limits;
+use super::store::{HubStore, KvHubStore};
 use crate::clock::Clock;
 use crate::kv::{KvStore, MemKv};
 use crate::wire::{DeviceId, ExpectedHead, Publish, PublishId, RetentionClass, TopicId};
@@ -68,9 +69,9 @@ fn open(kv: &MemKv, origin: u64) -> (Arc<HubCore>, tokio::task::JoinHandle<()>) 
         ..Limits::unthrottled()
     };
     let rng = crate::rng::SharedRng::seeded(origin);
-    let core = HubCore::open(Arc::new(kv.clone()), limits, Clock::tokio(origin), &rng)
-        .expect("a MemKv store opens");
-    let flusher = tokio::spawn(core.group_commit().clone().run(core.store().clone()));
+    let store = KvHubStore::open(Arc::new(kv.clone()), &rng).expect("a MemKv store opens");
+    let flusher = tokio::spawn(store.background());
+    let core = HubCore::open(store, limits, Clock::tokio(origin));
     (core, flusher)
 }
 
@@ -107,7 +108,9 @@ fn run(ops: Vec<Op>) {
         for (i, op) in ops.into_iter().enumerate() {
             match op.clone() {
                 Op::Subscribe { device, topic } => {
-                    let _ = core.subscribe(dev(device), &TopicId(vec![topic]), None);
+                    let _ = core
+                        .subscribe(dev(device), &TopicId(vec![topic]), None)
+                        .await;
                 }
                 Op::Publish {
                     device,
@@ -116,23 +119,25 @@ fn run(ops: Vec<Op>) {
                     len,
                     short,
                 } => {
-                    let _ = core.publish(
-                        dev(device),
-                        Publish {
-                            topic: TopicId(vec![topic]),
-                            publish_id: PublishId([i as u8; 32]),
-                            class: if mailbox {
-                                RetentionClass::Mailbox
-                            } else {
-                                RetentionClass::Log
+                    let _ = core
+                        .publish(
+                            dev(device),
+                            Publish {
+                                topic: TopicId(vec![topic]),
+                                publish_id: PublishId([i as u8; 32]),
+                                class: if mailbox {
+                                    RetentionClass::Mailbox
+                                } else {
+                                    RetentionClass::Log
+                                },
+                                expected_head: ExpectedHead::Unconditional,
+                                replay_only: false,
+                                retention_secs: Some(if short { 1 } else { 3600 }),
+                                payload: vec![7; len as usize],
+                                writer: None,
                             },
-                            expected_head: ExpectedHead::Unconditional,
-                            replay_only: false,
-                            retention_secs: Some(if short { 1 } else { 3600 }),
-                            payload: vec![7; len as usize],
-                            writer: None,
-                        },
-                    );
+                        )
+                        .await;
                 }
                 Op::Read { device } => {
                     core.deliveries(dev(device), 0, 100).await.unwrap();
@@ -140,14 +145,14 @@ fn run(ops: Vec<Op>) {
                 Op::AckAll { device } => {
                     let page = core.deliveries(dev(device), 0, 100).await.unwrap();
                     let ids: Vec<u64> = page.deliveries.iter().map(|d| d.id).collect();
-                    core.ack(dev(device), &ids).unwrap();
+                    core.ack(dev(device), &ids).await.unwrap();
                 }
                 Op::Advance(secs) => {
                     tokio::time::advance(Duration::from_secs(secs)).await;
                     offset += secs * 1000;
                 }
                 Op::Purge => {
-                    core.purge(None).unwrap();
+                    core.purge(None).await.unwrap();
                 }
                 Op::Crash => {
                     flusher.abort();
@@ -158,7 +163,7 @@ fn run(ops: Vec<Op>) {
             }
             let (queued, bytes) = counted(&kv);
             for n in 0..DEVICES {
-                let u = core.usage(dev(n)).unwrap();
+                let u = core.usage(dev(n)).await.unwrap();
                 assert_eq!(u.queued, queued[&dev(n)], "queued of {n} after {op:?}");
                 assert!(u.queued <= QUEUE, "over the queue quota after {op:?}");
                 assert_eq!(
@@ -193,7 +198,7 @@ fn a_full_queue_drops_new_deliveries_until_acked() {
         let kv = MemKv::new();
         let (core, _flusher) = open(&kv, 1_000_000);
         let t = TopicId::from("t");
-        core.subscribe(dev(1), &t, None).unwrap();
+        core.subscribe(dev(1), &t, None).await.unwrap();
         for i in 0..(QUEUE + 4) {
             let p = core
                 .publish(
@@ -209,6 +214,7 @@ fn a_full_queue_drops_new_deliveries_until_acked() {
                         writer: None,
                     },
                 )
+                .await
                 .unwrap();
             if i < QUEUE {
                 assert_eq!(p.value.recipients, vec![dev(1)]);
@@ -222,11 +228,11 @@ fn a_full_queue_drops_new_deliveries_until_acked() {
         let page = core.deliveries(dev(1), 0, 100).await.unwrap();
         assert_eq!(page.deliveries.len() as u64, QUEUE);
         assert_eq!(page.dropped, Some((QUEUE, 4)));
-        core.clear_dropped(dev(1), 4).unwrap();
+        core.clear_dropped(dev(1), 4).await.unwrap();
         let ids: Vec<u64> = page.deliveries.iter().map(|d| d.id).collect();
-        core.ack(dev(1), &ids).unwrap();
-        let u = core.usage(dev(1)).unwrap();
+        core.ack(dev(1), &ids).await.unwrap();
+        let u = core.usage(dev(1)).await.unwrap();
         assert_eq!((u.queued, u.dropped), (0, 0));
-        assert_eq!(core.usage(dev(0)).unwrap().stored_bytes, 0);
+        assert_eq!(core.usage(dev(0)).await.unwrap().stored_bytes, 0);
     });
 }

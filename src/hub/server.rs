@@ -451,7 +451,7 @@ impl Conn {
         let core = &self.shared.core;
         let d = self.device;
         match op {
-            Request::Publish(p) => match core.publish(d, p) {
+            Request::Publish(p) => match core.publish(d, p).await {
                 Ok(r) => {
                     let out = Response::Published(r.value.outcome);
                     // Streams of subscribers whose delivery was dropped are
@@ -485,21 +485,21 @@ impl Conn {
             Request::Subscribe {
                 topic,
                 retention_secs,
-            } => match core.subscribe(d, &topic, retention_secs) {
+            } => match core.subscribe(d, &topic, retention_secs).await {
                 Ok(r) => {
                     self.respond_when_durable(id, r.gen, Response::Subscribed, vec![])
                         .await
                 }
                 Err(e) => self.respond(id, Err(e)).await,
             },
-            Request::Unsubscribe { topic } => match core.unsubscribe(d, &topic) {
+            Request::Unsubscribe { topic } => match core.unsubscribe(d, &topic).await {
                 Ok(r) => {
                     let out = Response::Unsubscribed { existed: r.value };
                     self.respond_when_durable(id, r.gen, out, vec![]).await;
                 }
                 Err(e) => self.respond(id, Err(e)).await,
             },
-            Request::Ack { ids } => match core.ack(d, &ids) {
+            Request::Ack { ids } => match core.ack(d, &ids).await {
                 // An ack lost in a crash only means a redelivery, which
                 // devices deduplicate: answer without waiting for the flush.
                 Ok(r) => {
@@ -511,14 +511,14 @@ impl Conn {
             Request::UploadKeyPackages {
                 packages,
                 last_resort,
-            } => match core.upload_key_packages(d, &packages, last_resort) {
+            } => match core.upload_key_packages(d, &packages, last_resort).await {
                 Ok(r) => {
                     let out = Response::KeyPackagesStored { pool: r.value };
                     self.respond_when_durable(id, r.gen, out, vec![]).await;
                 }
                 Err(e) => self.respond(id, Err(e)).await,
             },
-            Request::ClaimKeyPackage { device } => match core.claim_key_package(d, device) {
+            Request::ClaimKeyPackage { device } => match core.claim_key_package(d, device).await {
                 Ok(r) => {
                     let (package, last_resort) = r.value;
                     let out = Response::KeyPackage {
@@ -529,7 +529,7 @@ impl Conn {
                 }
                 Err(e) => self.respond(id, Err(e)).await,
             },
-            Request::KeyPackageStatus => match core.key_package_status(d) {
+            Request::KeyPackageStatus => match core.key_package_status(d).await {
                 Ok(r) => {
                     let (pool, last_resort) = r.value;
                     let out = Response::KeyPackageStatus { pool, last_resort };
@@ -553,7 +553,7 @@ impl Conn {
 
     /// Replace this device's receive stream with one on this connection.
     async fn start_receive(&self, id: u64, after: u64) {
-        let last_id = match self.shared.core.last_delivery_id(self.device) {
+        let last_id = match self.shared.core.last_delivery_id(self.device).await {
             Ok(last) => last,
             Err(e) => return self.respond(id, Err(e)).await,
         };
@@ -634,7 +634,7 @@ async fn pump(
                 _ = cancel.cancelled() => break,
                 r = tx.send(binary(&notice)) => if r.is_err() { return },
             }
-            if let Err(e) = shared.core.clear_dropped(device, count) {
+            if let Err(e) = shared.core.clear_dropped(device, count).await {
                 let _ = tx.send(binary(&ServerFrame::ReceiveEnded(e))).await;
                 return;
             }
