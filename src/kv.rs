@@ -78,6 +78,17 @@ impl WriteBatch {
         self.ops.len()
     }
 
+    /// What this batch would leave under `key`: `None` when it stages
+    /// nothing for it, `Some(None)` when its last operation there is a
+    /// delete, `Some(Some(value))` for a put.
+    pub fn staged(&self, key: &[u8]) -> Option<Option<&[u8]>> {
+        self.ops
+            .iter()
+            .rev()
+            .find(|(k, _)| k.as_slice() == key)
+            .map(|(_, v)| v.as_deref())
+    }
+
     /// The staged operations in order; `None` is a delete.
     pub fn ops(&self) -> impl Iterator<Item = (&[u8], Option<&[u8]>)> {
         self.ops.iter().map(|(k, v)| (k.as_slice(), v.as_deref()))

@@ -189,6 +189,16 @@ async fn three_devices_on_two_hubs_get_every_message_once() {
         dups >= 20,
         "expected the second hub's copies to be suppressed, got {dups}"
     );
+    // The durable inbox holds each message once too: positions 1 to 10.
+    for d in [&a, &b, &c] {
+        let positions: Vec<u64> = d
+            .messages(g, 0, 100)
+            .unwrap()
+            .iter()
+            .map(|m| m.position)
+            .collect();
+        assert_eq!(positions, (1..=10).collect::<Vec<u64>>());
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -570,4 +580,74 @@ async fn a_device_killed_mid_commit_settles_it_from_the_journal() {
     ib.until("the message", |i| i.has(b"still in sync")).await;
     let (e3, _) = converge(&[&a, &b], g).await;
     assert_eq!(e3, e0 + 2);
+}
+
+/// An app that stops after its device took messages from the hub (and acked
+/// them there) but before it processed them finds them in the device's
+/// durable inbox when it opens the device again, at the positions their
+/// events named, once each; what it marked processed is not offered again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_app_that_stops_before_processing_reads_its_messages_after_reopening() {
+    let hubs = hubs(1).await;
+    let u = urls(&hubs);
+    let a = TestDevice::open(&u).await.unwrap();
+    let mut b = TestDevice::open(&u).await.unwrap();
+    let mut ib = Inbox::new(&b);
+    let g = group_of(&a, &mut [(&b, &mut ib)], &u).await;
+    for n in 0..4 {
+        a.send(g, format!("m{n}").as_bytes()).await.unwrap();
+    }
+    ib.until("4 messages", |i| i.got.len() >= 4).await;
+    // The events and the inbox agree on positions.
+    let announced: Vec<(u64, Vec<u8>)> = ib
+        .events
+        .iter()
+        .filter_map(|e| match e {
+            Event::MessageReceived { position, body, .. } => Some((*position, body.clone())),
+            _ => None,
+        })
+        .collect();
+    let stored: Vec<(u64, Vec<u8>)> = b
+        .messages(g, 0, 100)
+        .unwrap()
+        .into_iter()
+        .map(|m| (m.position, m.body))
+        .collect();
+    assert_eq!(announced, stored);
+    assert_eq!(
+        stored.iter().map(|(p, _)| *p).collect::<Vec<_>>(),
+        vec![1, 2, 3, 4]
+    );
+    // The app processed the first message only, then stopped.
+    assert_eq!(b.mark_processed(g, 1).unwrap(), 1);
+    b.close().await;
+    a.send(g, b"while stopped").await.unwrap();
+    b.reopen().await.unwrap();
+    let mut ib = Inbox::new(&b);
+    ib.until("the message sent while stopped", |i| {
+        i.has(b"while stopped")
+    })
+    .await;
+    let status = b.inbox_status(g).unwrap();
+    assert_eq!(status.processed, 1);
+    let unprocessed: Vec<(u64, Vec<u8>)> = b
+        .messages(g, status.processed, 100)
+        .unwrap()
+        .into_iter()
+        .map(|m| (m.position, m.body))
+        .collect();
+    assert_eq!(
+        unprocessed,
+        vec![
+            (2, b"m1".to_vec()),
+            (3, b"m2".to_vec()),
+            (4, b"m3".to_vec()),
+            (5, b"while stopped".to_vec()),
+        ],
+        "every unprocessed message, once, in order"
+    );
+    // Processed ones are gone, and a mark never goes back.
+    assert!(b.messages(g, 0, 1).unwrap()[0].position > 1);
+    assert_eq!(b.mark_processed(g, 0).unwrap(), 1);
+    assert_eq!(b.stats().inbox_trimmed, 0);
 }

@@ -203,6 +203,9 @@ pub fn event_line(e: &Event) -> String {
             format!("members {} {}", &group.to_string()[..8], members.len())
         }
         Event::Removed { group } => format!("removed {}", &group.to_string()[..8]),
+        Event::InboxTrimmed { group, position } => {
+            format!("inbox-trimmed {} {position}", &group.to_string()[..8])
+        }
         Event::Conflict { group, id } => {
             format!("conflict {} {}", &group.to_string()[..8], hex::encode(id))
         }

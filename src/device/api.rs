@@ -15,6 +15,7 @@ use super::directory::HubDirectory;
 use super::error::DeviceError;
 use super::events::Event;
 use super::identity::DeviceIdentity;
+use super::inbox::{InboxMessage, InboxStatus};
 use super::lane::{CommitError, LaneResult};
 use super::ledger::{Entry, LedgerState};
 use super::loopback::{LoopbackHub, RoutingConnector};
@@ -378,6 +379,47 @@ impl Device {
             .into_iter()
             .map(|r| r.id)
             .collect())
+    }
+
+    /// Up to `limit` messages of `group`'s durable inbox with positions
+    /// above `after`, in order. Every delivered app message is here (with
+    /// the position its [`Event::MessageReceived`] named) from before the
+    /// hub delivery that carried it was acked, until it is marked processed
+    /// ([`Device::mark_processed`]); after a restart, read from
+    /// [`InboxStatus::processed`]. A group this device left or was removed
+    /// from keeps its inbox.
+    ///
+    /// # Errors
+    /// The store's error.
+    pub fn messages(
+        &self,
+        group: GroupId,
+        after: u64,
+        limit: usize,
+    ) -> Result<Vec<InboxMessage>, DeviceError> {
+        Ok(self.manager.shared.inbox.read(&group, after, limit)?)
+    }
+
+    /// Mark `group`'s inbox processed up to position `through` (at most its
+    /// newest): those messages are deleted (past
+    /// [`InboxConfig::keep_processed`](super::InboxConfig::keep_processed))
+    /// and never offered again. Durable when it returns (it waits for one
+    /// store flush). A mark never goes back. Answers the processed position
+    /// now.
+    ///
+    /// # Errors
+    /// The store's error; nothing was marked.
+    pub fn mark_processed(&self, group: GroupId, through: u64) -> Result<u64, DeviceError> {
+        Ok(self.manager.shared.inbox.mark_processed(&group, through)?)
+    }
+
+    /// Where `group`'s inbox stands: its newest position and what is
+    /// marked processed.
+    ///
+    /// # Errors
+    /// The store's error.
+    pub fn inbox_status(&self, group: GroupId) -> Result<InboxStatus, DeviceError> {
+        Ok(self.manager.shared.inbox.status(&group)?)
     }
 
     /// Events: messages, membership, epochs, hub status.

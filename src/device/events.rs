@@ -20,16 +20,31 @@ pub enum Event {
         /// Its epoch at joining.
         epoch: u64,
     },
-    /// An app message arrived, once, however many hubs carried it.
+    /// An app message arrived, once, however many hubs carried it. It is
+    /// in the group's durable inbox at `position` (see
+    /// [`Device::messages`](super::Device::messages)) before this is sent.
     MessageReceived {
         /// The group.
         group: GroupId,
+        /// Its position in the group's inbox.
+        position: u64,
         /// The sending member.
         sender: DeviceId,
         /// The sender's message id.
         id: [u8; 16],
         /// The message.
         body: Vec<u8>,
+    },
+    /// The group's inbox was full ([`InboxConfig::max_unprocessed`]
+    /// unprocessed messages): the unprocessed message at `position` was
+    /// deleted to make room for a new one.
+    ///
+    /// [`InboxConfig::max_unprocessed`]: super::InboxConfig::max_unprocessed
+    InboxTrimmed {
+        /// The group.
+        group: GroupId,
+        /// The position deleted.
+        position: u64,
     },
     /// The group's members changed.
     MembersChanged {

@@ -11,6 +11,7 @@ use super::error::DeviceError;
 use super::events::Event;
 use super::frames::WelcomeEnvelope;
 use super::identity::DeviceIdentity;
+use super::inbox::{Inbox, InboxConfig};
 use super::lane::LOOPBACK_HUB;
 use super::ledger::HlcClock;
 use super::link::{HubLink, LinkConfig, LinkError};
@@ -63,6 +64,8 @@ pub struct ManagerConfig {
     /// state it reports is durable: for harnesses that must not miss one
     /// (the broadcast channel drops events for a lagging receiver).
     pub observer: Option<Observer>,
+    /// What the app's durable inbox keeps.
+    pub inbox: InboxConfig,
 }
 
 /// A synchronous event callback (see [`ManagerConfig::observer`]).
@@ -85,6 +88,7 @@ impl Default for ManagerConfig {
             key_packages: 10,
             key_package_lifetime: super::mls::KEY_PACKAGE_LIFETIME,
             observer: None,
+            inbox: InboxConfig::default(),
         }
     }
 }
@@ -113,6 +117,10 @@ pub struct DeviceStats {
     /// Publishes the outbox owes its hubs now ([`Outbox::owed`]); sends
     /// wait once this reaches `OutboxConfig::max_owed`.
     pub outbox_owed: usize,
+    /// Unprocessed inbox messages deleted because their group's inbox was
+    /// full ([`InboxConfig::max_unprocessed`]); each was also reported as
+    /// [`Event::InboxTrimmed`].
+    pub inbox_trimmed: u64,
 }
 
 #[derive(Default)]
@@ -123,6 +131,7 @@ pub(super) struct Counters {
     pub poison: AtomicU64,
     pub commits: AtomicU64,
     pub lost_races: AtomicU64,
+    pub inbox_trimmed: AtomicU64,
 }
 
 /// The topics a group's peers read.
@@ -174,6 +183,7 @@ pub(super) struct Shared {
     pub identity: DeviceIdentity,
     pub registry: Registry,
     pub records: Records,
+    pub inbox: Inbox,
     pub outbox: Outbox,
     pub directory: HubDirectory,
     pub connector: Arc<dyn Connector>,
@@ -327,6 +337,7 @@ impl GroupPeerManager {
                 loopback_url,
                 identity,
                 registry,
+                inbox: Inbox::new(records.kv().clone(), config.inbox),
                 records,
                 outbox,
                 directory,
@@ -398,6 +409,7 @@ impl GroupPeerManager {
             poison: r(&c.poison),
             commits: r(&c.commits),
             lost_races: r(&c.lost_races),
+            inbox_trimmed: r(&c.inbox_trimmed),
             outbox_owed: self.shared.outbox.owed(),
         }
     }

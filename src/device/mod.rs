@@ -9,6 +9,7 @@ pub mod error;
 pub mod events;
 pub mod frames;
 pub mod identity;
+pub mod inbox;
 pub mod lane;
 pub mod ledger;
 pub mod link;
@@ -27,6 +28,7 @@ pub use api::{Device, DeviceOptions};
 pub use control::Settings;
 pub use error::DeviceError;
 pub use events::Event;
+pub use inbox::{InboxConfig, InboxMessage, InboxStatus};
 pub use lane::{CommitError, CommitKind, CommitReport, LaneResult, LostCommit};
 pub use manager::{
     DeviceStats, FutureFrames, GroupPeer, GroupPeerManager, ManagerConfig, Observer,

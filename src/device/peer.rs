@@ -533,13 +533,26 @@ impl GroupPeerManager {
                 self.shared
                     .records
                     .mark_message(b, &group, &msg.id, &body_digest);
+                // Into the app's inbox in the same batch: durable before
+                // the hub delivery is acked.
+                let staged = self
+                    .shared
+                    .inbox
+                    .stage(b, &group, sender, msg.id, &msg.body)?;
                 c.delivered.fetch_add(1, Ordering::Relaxed);
-                Ok(vec![Event::MessageReceived {
+                let mut events = Vec::with_capacity(2);
+                if let Some(position) = staged.trimmed {
+                    c.inbox_trimmed.fetch_add(1, Ordering::Relaxed);
+                    events.push(Event::InboxTrimmed { group, position });
+                }
+                events.push(Event::MessageReceived {
                     group,
+                    position: staged.position,
                     sender,
                     id: msg.id,
                     body: msg.body,
-                }])
+                });
+                Ok(events)
             }
         }
     }

@@ -282,6 +282,11 @@ pub struct Records {
 
 impl Records {
     /// Records over the device's store.
+    /// The store these records live in.
+    pub fn kv(&self) -> &std::sync::Arc<dyn KvStore> {
+        &self.kv
+    }
+
     pub fn new(kv: std::sync::Arc<dyn KvStore>) -> Self {
         Self { kv }
     }
