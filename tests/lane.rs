@@ -1629,3 +1629,141 @@ async fn a_device_whose_pool_ran_out_can_still_be_invited_with_its_last_resort_p
     .await;
     agree(&[&a, &b], g2).await;
 }
+
+// ---------------------------------------------------------------------------
+// Ledger catch-up (gather), the cheap remedy
+// ---------------------------------------------------------------------------
+
+/// `a` invites `b` with a Welcome whose ledger snapshot lacks its last
+/// entry, so `b` joins with an incomplete ledger.
+async fn group_with_incomplete_member(
+    a: &TestDevice,
+    complete: &[(&TestDevice, &Watch)],
+    b: &TestDevice,
+    wb: &Watch,
+    u: &[String],
+) -> GroupId {
+    let g = group_of(a, complete, u).await;
+    a.manager()
+        .faults()
+        .short_welcome_ledger
+        .store(true, SeqCst);
+    invite_with_retry(a, g, b.id()).await;
+    a.manager()
+        .faults()
+        .short_welcome_ledger
+        .store(false, SeqCst);
+    wb.until(
+        "the welcome",
+        |e| matches!(e, Event::GroupJoined { group, .. } if *group == g),
+    )
+    .await;
+    assert!(
+        !b.ledger_view(g).unwrap().is_member(&a.id()),
+        "the joiner's ledger is incomplete"
+    );
+    g
+}
+
+/// A member whose Welcome carried an incomplete ledger cannot commit on
+/// it; the facade's commit gathers the ledger from the members (one answer
+/// that reproduces the authenticated head), installs it and commits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_whose_ledger_is_incomplete_gathers_it_and_then_commits() {
+    let hubs = hubs(1).await;
+    let u = urls(&hubs);
+    let a = TestDevice::open(&u).await.unwrap();
+    let b = TestDevice::open(&u).await.unwrap();
+    let wb = Watch::new(&b);
+    let g = group_with_incomplete_member(&a, &[], &b, &wb, &u).await;
+    assert!(matches!(
+        b.manager().rotate(g).await,
+        Err(CommitError::RecoveryRequired(_))
+    ));
+    b.rotate_keys(g).await.unwrap();
+    assert_eq!(b.ledger(g).unwrap(), a.ledger(g).unwrap());
+    assert!(b.ledger_view(g).unwrap().is_member(&a.id()));
+    wb.until(
+        "the ledger installed",
+        |e| matches!(e, Event::LedgerChanged { group } if *group == g),
+    )
+    .await;
+    agree(&[&a, &b], g).await;
+}
+
+/// Two members lie (one reorders the ledger, one truncates it): both answers
+/// are refused, never merged, and the ledger stays incomplete; the honest
+/// answer of another member is installed, and the ledger then holds every
+/// entry exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ledger_catchup_refuses_a_reordered_and_a_truncated_ledger_and_installs_the_honest_one() {
+    let hubs = hubs(1).await;
+    let u = urls(&hubs);
+    let a = TestDevice::open(&u).await.unwrap();
+    let (d, e, b) = (
+        TestDevice::open(&u).await.unwrap(),
+        TestDevice::open(&u).await.unwrap(),
+        TestDevice::open(&u).await.unwrap(),
+    );
+    let (wd, we, wb) = (Watch::new(&d), Watch::new(&e), Watch::new(&b));
+    let g = group_with_incomplete_member(&a, &[(&d, &wd), (&e, &we)], &b, &wb, &u).await;
+    converge(&[&a, &d, &e, &b], g).await;
+    d.manager().faults().lying_ledger.store(1, SeqCst);
+    e.manager().faults().lying_ledger.store(2, SeqCst);
+    // The honest member answers only after this first round is over.
+    a.manager().faults().answer_delay_ms.store(60_000, SeqCst);
+    let first = b
+        .manager()
+        .request_ledger_catchup(g, Duration::from_secs(5))
+        .await
+        .unwrap();
+    assert_eq!(first.installed_from, None, "{first:?}");
+    let mut refused: Vec<DeviceId> = first.refused.iter().map(|(who, _)| *who).collect();
+    refused.sort();
+    let mut liars = vec![d.id(), e.id()];
+    liars.sort();
+    assert_eq!(refused, liars, "{first:?}");
+    assert!(
+        !b.ledger_view(g).unwrap().is_member(&a.id()),
+        "nothing merged"
+    );
+
+    a.manager().faults().answer_delay_ms.store(0, SeqCst);
+    let second = b.request_ledger_catchup(g).await.unwrap();
+    assert_eq!(second.installed_from, Some(a.id()), "{second:?}");
+    let ledger = b.ledger(g).unwrap();
+    assert_eq!(ledger, a.ledger(g).unwrap());
+    let mut ids: Vec<_> = ledger.iter().map(|e| e.id()).collect();
+    ids.sort();
+    ids.dedup();
+    assert_eq!(ids.len(), ledger.len(), "every entry once");
+    assert_eq!(second.entries, ledger.len());
+}
+
+/// With no member left to answer, the facade's commit returns the original
+/// `RecoveryRequired` once the gather's deadline passed, and reports the
+/// remedy that did not help.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_nobody_to_answer_the_commit_returns_the_original_error_and_reports_it() {
+    let hubs = hubs(1).await;
+    let u = urls(&hubs);
+    let mut a = TestDevice::open(&u).await.unwrap();
+    let mut options = hubsync::testkit::device_options(&u);
+    options.manager.gather_deadline = Duration::from_secs(1);
+    let b = TestDevice::open_with(options).await.unwrap();
+    let wb = Watch::new(&b);
+    let g = group_with_incomplete_member(&a, &[], &b, &wb, &u).await;
+    a.close().await;
+    let got = b.rotate_keys(g).await;
+    assert!(
+        matches!(got, Err(CommitError::RecoveryRequired(x)) if x == g),
+        "{got:?}"
+    );
+    wb.until("the gather reported as failed", |e| {
+        matches!(
+            e,
+            Event::RecoveryFailed { group, remedy: hubsync::device::Remedy::Gather, .. } if *group == g
+        )
+    })
+    .await;
+}

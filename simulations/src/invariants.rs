@@ -203,6 +203,9 @@ pub fn event_line(e: &Event) -> String {
             format!("members {} {}", &group.to_string()[..8], members.len())
         }
         Event::Removed { group } => format!("removed {}", &group.to_string()[..8]),
+        Event::RecoveryFailed { group, remedy, .. } => {
+            format!("recovery-failed {} {remedy:?}", &group.to_string()[..8])
+        }
         Event::InboxTrimmed { group, position } => {
             format!("inbox-trimmed {} {position}", &group.to_string()[..8])
         }

@@ -14,6 +14,7 @@ use super::control::Settings;
 use super::directory::HubDirectory;
 use super::error::DeviceError;
 use super::events::Event;
+use super::gather::LedgerCatchupSummary;
 use super::identity::DeviceIdentity;
 use super::inbox::{InboxMessage, InboxStatus};
 use super::lane::{CommitError, LaneResult};
@@ -185,7 +186,9 @@ impl Device {
         group: GroupId,
         device: DeviceId,
     ) -> Result<LaneResult, CommitError> {
-        self.manager.invite(group, device).await
+        self.manager
+            .commit_with_recovery(group, || self.manager.invite(group, device))
+            .await
     }
 
     /// Invite several devices into a group in one commit (admins only);
@@ -198,7 +201,9 @@ impl Device {
         group: GroupId,
         devices: &[DeviceId],
     ) -> Result<LaneResult, CommitError> {
-        self.manager.invite_many(group, devices).await
+        self.manager
+            .commit_with_recovery(group, || self.manager.invite_many(group, devices))
+            .await
     }
 
     /// Remove a device from a group (admins only).
@@ -210,7 +215,9 @@ impl Device {
         group: GroupId,
         device: DeviceId,
     ) -> Result<LaneResult, CommitError> {
-        self.manager.remove(group, device).await
+        self.manager
+            .commit_with_recovery(group, || self.manager.remove(group, device))
+            .await
     }
 
     /// Make a member an admin (admins only).
@@ -222,7 +229,9 @@ impl Device {
         group: GroupId,
         device: DeviceId,
     ) -> Result<LaneResult, CommitError> {
-        self.manager.grant_admin(group, device).await
+        self.manager
+            .commit_with_recovery(group, || self.manager.grant_admin(group, device))
+            .await
     }
 
     /// Take admin rights from a member, never from the last admin (admins
@@ -235,7 +244,9 @@ impl Device {
         group: GroupId,
         device: DeviceId,
     ) -> Result<LaneResult, CommitError> {
-        self.manager.revoke_admin(group, device).await
+        self.manager
+            .commit_with_recovery(group, || self.manager.revoke_admin(group, device))
+            .await
     }
 
     /// Bind the group to another hub, for every member (admins only).
@@ -243,7 +254,9 @@ impl Device {
     /// # Errors
     /// See [`GroupPeerManager::bind_hub`].
     pub async fn bind_hub(&self, group: GroupId, url: &str) -> Result<LaneResult, CommitError> {
-        self.manager.bind_hub(group, url).await
+        self.manager
+            .commit_with_recovery(group, || self.manager.bind_hub(group, url))
+            .await
     }
 
     /// Unbind the group from a hub that is not its commit hub, for every
@@ -252,7 +265,9 @@ impl Device {
     /// # Errors
     /// See [`GroupPeerManager::unbind_hub`].
     pub async fn unbind_hub(&self, group: GroupId, url: &str) -> Result<LaneResult, CommitError> {
-        self.manager.unbind_hub(group, url).await
+        self.manager
+            .commit_with_recovery(group, || self.manager.unbind_hub(group, url))
+            .await
     }
 
     /// Move every member's commits to a bound hub (admins only).
@@ -264,7 +279,9 @@ impl Device {
         group: GroupId,
         url: &str,
     ) -> Result<LaneResult, CommitError> {
-        self.manager.set_commit_hub(group, url).await
+        self.manager
+            .commit_with_recovery(group, || self.manager.set_commit_hub(group, url))
+            .await
     }
 
     /// Set a setting: `self.`-prefixed names are this device's own (any
@@ -278,7 +295,9 @@ impl Device {
         name: &str,
         value: &[u8],
     ) -> Result<LaneResult, CommitError> {
-        self.manager.set_setting(group, name, value).await
+        self.manager
+            .commit_with_recovery(group, || self.manager.set_setting(group, name, value))
+            .await
     }
 
     /// The group's settings.
@@ -338,7 +357,9 @@ impl Device {
     /// # Errors
     /// See [`GroupPeerManager::rotate`].
     pub async fn rotate_keys(&self, group: GroupId) -> Result<LaneResult, CommitError> {
-        self.manager.rotate(group).await
+        self.manager
+            .commit_with_recovery(group, || self.manager.rotate(group))
+            .await
     }
 
     /// The group's members.
@@ -420,6 +441,22 @@ impl Device {
     /// The store's error.
     pub fn inbox_status(&self, group: GroupId) -> Result<InboxStatus, DeviceError> {
         Ok(self.manager.shared.inbox.status(&group)?)
+    }
+
+    /// Ask the group's members for the whole ledger and install the first
+    /// answer that reproduces the authenticated head, waiting at most
+    /// `ManagerConfig::gather_deadline`. The group operations above do this
+    /// on their own when they need it; this is for an app that wants
+    /// control.
+    ///
+    /// # Errors
+    /// See [`GroupPeerManager::request_ledger_catchup`].
+    pub async fn request_ledger_catchup(
+        &self,
+        group: GroupId,
+    ) -> Result<LedgerCatchupSummary, DeviceError> {
+        let deadline = self.manager.shared.config.gather_deadline;
+        self.manager.request_ledger_catchup(group, deadline).await
     }
 
     /// Events: messages, membership, epochs, hub status.

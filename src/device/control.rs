@@ -22,6 +22,7 @@ use futures::{StreamExt as _, TryStreamExt as _};
 use openmls::prelude::tls_codec::Deserialize as _;
 use openmls::prelude::*;
 use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
 
 /// Key package claims of one `invite_many` in flight at once.
 const CLAIMS_IN_FLIGHT: usize = 32;
@@ -478,7 +479,13 @@ impl GroupPeerManager {
             .map_err(|e| CommitError::Mls(e.to_string()))?;
         let mut nonce = [0u8; 12];
         self.shared.rng.fill(&mut nonce);
-        let list = ledger::encode_list(ledger_entries);
+        let faults = &self.shared.faults;
+        let list = if faults.short_welcome_ledger.load(Ordering::Relaxed) {
+            let short = ledger_entries.len().saturating_sub(1);
+            ledger::encode_list(&ledger_entries[..short])
+        } else {
+            ledger::encode_list(ledger_entries)
+        };
         let sealed =
             ledger::seal(crypto, &key, nonce, &rec.id.0, &list).map_err(CommitError::Ledger)?;
         let env = WelcomeEnvelope {

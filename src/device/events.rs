@@ -134,6 +134,18 @@ pub enum Event {
         /// Why.
         reason: String,
     },
+    /// A remedy [`commit_with_recovery`] tried did not help; the commit
+    /// answered its original error.
+    ///
+    /// [`commit_with_recovery`]: super::GroupPeerManager::commit_with_recovery
+    RecoveryFailed {
+        /// The group.
+        group: GroupId,
+        /// The remedy.
+        remedy: super::Remedy,
+        /// Why it did not help.
+        reason: String,
+    },
     /// A hub connection changed status.
     HubStatus {
         /// The hub.

@@ -66,6 +66,8 @@ pub struct ManagerConfig {
     pub observer: Option<Observer>,
     /// What the app's durable inbox keeps.
     pub inbox: InboxConfig,
+    /// How long a ledger catch-up waits for an answer that fits.
+    pub gather_deadline: Duration,
 }
 
 /// A synchronous event callback (see [`ManagerConfig::observer`]).
@@ -89,6 +91,7 @@ impl Default for ManagerConfig {
             key_package_lifetime: super::mls::KEY_PACKAGE_LIFETIME,
             observer: None,
             inbox: InboxConfig::default(),
+            gather_deadline: Duration::from_secs(10),
         }
     }
 }
@@ -121,6 +124,9 @@ pub struct DeviceStats {
     /// full ([`InboxConfig::max_unprocessed`]); each was also reported as
     /// [`Event::InboxTrimmed`].
     pub inbox_trimmed: u64,
+    /// Members' control requests (ledger requests) this device could not
+    /// answer (a store or MLS failure; the requester sees no answer).
+    pub control_failures: u64,
 }
 
 #[derive(Default)]
@@ -132,6 +138,7 @@ pub(super) struct Counters {
     pub commits: AtomicU64,
     pub lost_races: AtomicU64,
     pub inbox_trimmed: AtomicU64,
+    pub control_failures: AtomicU64,
 }
 
 /// The topics a group's peers read.
@@ -184,6 +191,8 @@ pub(super) struct Shared {
     pub registry: Registry,
     pub records: Records,
     pub inbox: Inbox,
+    /// Ledger requests of this device waiting for answers.
+    pub gathers: Mutex<BTreeMap<(GroupId, [u8; 16]), super::gather::Pending>>,
     pub outbox: Outbox,
     pub directory: HubDirectory,
     pub connector: Arc<dyn Connector>,
@@ -239,6 +248,14 @@ pub struct Faults {
     pub no_pull: std::sync::atomic::AtomicBool,
     /// Panic on every received app frame.
     pub panic_on_receive: std::sync::atomic::AtomicBool,
+    /// Answer ledger requests with a lie: 1 swaps the first two entries, 2
+    /// drops the last one.
+    pub lying_ledger: std::sync::atomic::AtomicU8,
+    /// Wait this many milliseconds before answering a ledger request.
+    pub answer_delay_ms: AtomicU64,
+    /// Seal a Welcome's ledger snapshot without its last entry, so the
+    /// joiner's ledger is incomplete.
+    pub short_welcome_ledger: std::sync::atomic::AtomicBool,
 }
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -338,6 +355,7 @@ impl GroupPeerManager {
                 identity,
                 registry,
                 inbox: Inbox::new(records.kv().clone(), config.inbox),
+                gathers: Mutex::new(BTreeMap::new()),
                 records,
                 outbox,
                 directory,
@@ -410,6 +428,7 @@ impl GroupPeerManager {
             commits: r(&c.commits),
             lost_races: r(&c.lost_races),
             inbox_trimmed: r(&c.inbox_trimmed),
+            control_failures: r(&c.control_failures),
             outbox_owed: self.shared.outbox.owed(),
         }
     }

@@ -8,6 +8,7 @@ pub mod directory;
 pub mod error;
 pub mod events;
 pub mod frames;
+pub mod gather;
 pub mod identity;
 pub mod inbox;
 pub mod lane;
@@ -20,6 +21,7 @@ pub mod outbox;
 mod peer;
 pub mod provider;
 pub mod records;
+pub mod recovery;
 pub mod registry;
 pub mod storage;
 pub mod topics;
@@ -28,6 +30,7 @@ pub use api::{Device, DeviceOptions};
 pub use control::Settings;
 pub use error::DeviceError;
 pub use events::Event;
+pub use gather::LedgerCatchupSummary;
 pub use inbox::{InboxConfig, InboxMessage, InboxStatus};
 pub use lane::{CommitError, CommitKind, CommitReport, LaneResult, LostCommit};
 pub use manager::{
@@ -35,3 +38,4 @@ pub use manager::{
 };
 pub use peer::Sent;
 pub use records::GroupId;
+pub use recovery::Remedy;

@@ -510,6 +510,7 @@ impl GroupPeerManager {
             }
         };
         let sender = device_id_of(processed.credential());
+        let control = processed.aad() == super::gather::CONTROL_AAD;
         let ProcessedMessageContent::ApplicationMessage(am) = processed.into_content() else {
             return Ok(vec![]);
         };
@@ -533,6 +534,11 @@ impl GroupPeerManager {
                 self.shared
                     .records
                     .mark_message(b, &group, &msg.id, &body_digest);
+                if control {
+                    // The engine's own, never the app's.
+                    self.on_control(group, sender, &msg.body);
+                    return Ok(vec![]);
+                }
                 // Into the app's inbox in the same batch: durable before
                 // the hub delivery is acked.
                 let staged = self
@@ -672,15 +678,7 @@ impl GroupPeerManager {
             .export_secret(crypto, ledger::SNAPSHOT_KEY_LABEL, &[], 16)
             .map_err(|e| DeviceError::Mls(e.to_string()))?;
         let verified = ledger::open(crypto, &key, &env.group.0, &env.ledger)
-            .and_then(|plain| ledger::decode_list(&plain))
-            .and_then(|entries| {
-                let state = LedgerState::fold(env.group, &entries)?;
-                if state.head == ext.ledger_head {
-                    Ok((entries, state))
-                } else {
-                    Err(ledger::LedgerError::HeadMismatch)
-                }
-            });
+            .and_then(|plain| super::gather::verify_ledger(env.group, &plain, &ext.ledger_head));
         let envelope_hubs: Vec<String> = env
             .hubs
             .iter()
@@ -853,6 +851,19 @@ impl GroupPeerManager {
         body: &[u8],
         wait: bool,
     ) -> Result<Sent, DeviceError> {
+        self.broadcast_with(group, body, &[], wait).await
+    }
+
+    /// [`GroupPeerManager::broadcast`] with `aad` as the MLS message's
+    /// authenticated data (empty for an app message,
+    /// [`CONTROL_AAD`](super::gather::CONTROL_AAD) for a control message).
+    pub(super) async fn broadcast_with(
+        &self,
+        group: GroupId,
+        body: &[u8],
+        aad: &[u8],
+        wait: bool,
+    ) -> Result<Sent, DeviceError> {
         let outbox = &self.shared.outbox;
         if wait {
             outbox.wait_for_room().await;
@@ -872,7 +883,10 @@ impl GroupPeerManager {
         .map_err(|e| DeviceError::Mls(e.to_string()))?;
         let signer = self.shared.identity.signature_key_pair();
         let out = guard
-            .with(|g, p| g.create_message(p, signer, &plain))?
+            .with(|g, p| {
+                g.set_aad(aad.to_vec());
+                g.create_message(p, signer, &plain)
+            })?
             .map_err(|e| DeviceError::Mls(e.to_string()))?;
         let bytes = out
             .tls_serialize_detached()

@@ -363,6 +363,24 @@ impl Records {
         }
     }
 
+    /// Stage the replacement of the group's whole ledger by `entries`
+    /// (encoded, in enactment order, from position 0).
+    ///
+    /// # Errors
+    /// The store's error.
+    pub fn replace_ledger(
+        &self,
+        batch: &mut WriteBatch,
+        group: &GroupId,
+        entries: &[Vec<u8>],
+    ) -> Result<(), KvError> {
+        for (k, _) in self.kv.scan_prefix(&key(LEDGER, group, &[]), usize::MAX)? {
+            batch.delete(k);
+        }
+        self.put_ledger(batch, group, 0, entries);
+        Ok(())
+    }
+
     /// Where catch-up stopped reading `topic` on `hub` (0: never read).
     ///
     /// # Errors

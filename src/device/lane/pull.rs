@@ -29,7 +29,7 @@ use std::sync::atomic::Ordering;
 
 /// How far ahead of our clock another member's entry may pull our hybrid
 /// logical clock.
-const HLC_MAX_AHEAD_MS: u64 = 60_000;
+pub(crate) const HLC_MAX_AHEAD_MS: u64 = 60_000;
 
 /// Frames fetched per page.
 const PAGE: u32 = 100;

@@ -1,0 +1,377 @@
+//! Ledger catch-up ("gather"): the cheap remedy for a member whose ledger is
+//! incomplete (the Welcome's snapshot did not reproduce the head MLS
+//! authenticates, say). Such a member reads and sends in the group, but
+//! cannot commit: it cannot judge entries against a ledger it lacks.
+//!
+//! The requester sends a **ledger request** to the group: an MLS application
+//! message (so only a current member can send one, and every member knows
+//! which member asks) whose authenticated data is [`CONTROL_AAD`] and whose
+//! content is a [`Control::LedgerRequest`] with a fresh nonce and a fresh
+//! HPKE public key. Every member whose own ledger is complete answers with
+//! its whole ledger in enactment order, HPKE-sealed to that key, in a
+//! [`Control::LedgerAnswer`] sent the same way. The requester opens each
+//! answer and folds it from genesis: the first whose head equals the head
+//! MLS authenticates in the group's current epoch is installed; every other
+//! answer is dropped, never merged, and reported in the
+//! [`LedgerCatchupSummary`] with why.
+//!
+//! Who may do what: only a current member can ask or answer (MLS
+//! authenticates both); a member that lies (a reordered, truncated or forged
+//! ledger) is refused, because nothing but the authenticated head decides;
+//! a removed member sees neither requests nor answers (it has no epoch
+//! secrets), and answers are sealed to the requester alone.
+
+use super::error::DeviceError;
+use super::ledger::{self, Entry, GroupExt, LedgerError, LedgerState};
+use super::manager::GroupPeerManager;
+use super::records::GroupId;
+use super::Event;
+use crate::kv::WriteBatch;
+use crate::wire::DeviceId;
+use openmls_traits::crypto::OpenMlsCrypto;
+use openmls_traits::types::HpkeCiphertext;
+use openmls_traits::OpenMlsProvider;
+use serde::{Deserialize, Serialize};
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+use tokio::sync::mpsc;
+
+/// The authenticated data that marks an MLS application message as an
+/// engine control message (its content a postcard [`Control`] inside the
+/// usual app-message frame), never handed to the app.
+pub const CONTROL_AAD: &[u8] = b"hubsync control v1";
+
+/// The HPKE `info` of a sealed ledger answer.
+const ANSWER_INFO: &[u8] = b"hubsync ledger answer v1";
+
+/// Answers one request can queue before the requester reads them; more are
+/// dropped (and the requester, reading none of them, reports no answer).
+const ANSWER_QUEUE: usize = 64;
+
+/// An engine control message between members.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Control {
+    /// "Send me your whole ledger, sealed to this key."
+    LedgerRequest {
+        /// Ties answers to this request.
+        nonce: [u8; 16],
+        /// A fresh HPKE public key (the group's ciphersuite's KEM).
+        #[serde(with = "serde_bytes")]
+        hpke_public: Vec<u8>,
+    },
+    /// One member's whole ledger, in enactment order, sealed to the
+    /// request's key.
+    LedgerAnswer {
+        /// The request's nonce.
+        nonce: [u8; 16],
+        /// The requester (only it can open the answer; the others ignore it).
+        to: DeviceId,
+        /// HPKE encapsulated key.
+        #[serde(with = "serde_bytes")]
+        kem_output: Vec<u8>,
+        /// HPKE ciphertext of the encoded entry list, with the group id and
+        /// the nonce as additional data.
+        #[serde(with = "serde_bytes")]
+        ciphertext: Vec<u8>,
+    },
+}
+
+/// What a ledger catch-up did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LedgerCatchupSummary {
+    /// The ledger was complete already: nothing was asked.
+    pub already_complete: bool,
+    /// The member whose ledger was installed, if one was.
+    pub installed_from: Option<DeviceId>,
+    /// How many entries the installed ledger holds.
+    pub entries: usize,
+    /// Every member that answered, in the order the answers were read.
+    pub answered: Vec<DeviceId>,
+    /// Answers refused, with why (they were dropped, never merged).
+    pub refused: Vec<(DeviceId, String)>,
+}
+
+/// One answer as the requester receives it.
+pub(super) struct Answer {
+    from: DeviceId,
+    kem_output: Vec<u8>,
+    ciphertext: Vec<u8>,
+}
+
+/// A ledger request waiting for answers.
+pub(super) struct Pending {
+    tx: mpsc::Sender<Answer>,
+}
+
+fn answer_aad(group: &GroupId, nonce: &[u8; 16]) -> Vec<u8> {
+    let mut aad = group.0.to_vec();
+    aad.extend_from_slice(nonce);
+    aad
+}
+
+/// Fold `entries` from genesis and accept them only if they reproduce
+/// `head`: what a Welcome's snapshot and a gathered ledger must both pass.
+///
+/// # Errors
+/// The fold's error (a bad signature, an entry its author may not write, a
+/// duplicate), or [`LedgerError::HeadMismatch`].
+pub(super) fn verify_ledger(
+    group: GroupId,
+    plain: &[u8],
+    head: &[u8; 32],
+) -> Result<(Vec<Entry>, LedgerState), LedgerError> {
+    let entries = ledger::decode_list(plain)?;
+    let state = LedgerState::fold(group, &entries)?;
+    if state.head != *head {
+        return Err(LedgerError::HeadMismatch);
+    }
+    Ok((entries, state))
+}
+
+impl GroupPeerManager {
+    /// Ask the group's members for the whole ledger and install the first
+    /// answer that reproduces the head MLS authenticates now; give up at
+    /// `deadline` (answers go on arriving until then only if none fit).
+    /// The request goes to every hub the group is bound to, through the
+    /// outbox, like a message.
+    ///
+    /// # Errors
+    /// `UnknownGroup`, MLS or store errors. No answer, or none that fits,
+    /// is not an error: the summary says who answered and why each was
+    /// refused, and the ledger stays incomplete.
+    pub async fn request_ledger_catchup(
+        &self,
+        group: GroupId,
+        deadline: Duration,
+    ) -> Result<LedgerCatchupSummary, DeviceError> {
+        let rec = self.record(group)?;
+        if rec.ledger_complete {
+            return Ok(LedgerCatchupSummary {
+                already_complete: true,
+                ..LedgerCatchupSummary::default()
+            });
+        }
+        let crypto = self.shared.registry.provider().crypto();
+        let mut guard = self.shared.registry.lock(group).await;
+        let suite = guard.read(|g| g.ciphersuite())?;
+        drop(guard);
+        let mut ikm = [0u8; 32];
+        self.shared.rng.fill(&mut ikm);
+        let keys = crypto
+            .derive_hpke_keypair(suite.hpke_config(), &ikm)
+            .map_err(|e| DeviceError::Mls(format!("HPKE key pair: {e:?}")))?;
+        let mut nonce = [0u8; 16];
+        self.shared.rng.fill(&mut nonce);
+        let (tx, mut rx) = mpsc::channel(ANSWER_QUEUE);
+        super::manager::lock(&self.shared.gathers).insert((group, nonce), Pending { tx });
+        let result = async {
+            let request = Control::LedgerRequest {
+                nonce,
+                hpke_public: keys.public.clone(),
+            };
+            self.send_control(group, &request).await?;
+            let mut summary = LedgerCatchupSummary::default();
+            let until = tokio::time::Instant::now() + deadline;
+            while let Ok(Some(a)) = tokio::time::timeout_at(until, rx.recv()).await {
+                summary.answered.push(a.from);
+                let input = HpkeCiphertext {
+                    kem_output: a.kem_output.into(),
+                    ciphertext: a.ciphertext.into(),
+                };
+                let plain = match crypto.hpke_open(
+                    suite.hpke_config(),
+                    &input,
+                    keys.private.as_ref(),
+                    ANSWER_INFO,
+                    &answer_aad(&group, &nonce),
+                ) {
+                    Ok(p) => p,
+                    Err(e) => {
+                        summary
+                            .refused
+                            .push((a.from, format!("does not open: {e:?}")));
+                        continue;
+                    }
+                };
+                match self.install_gathered(group, &plain).await {
+                    Ok(Some(n)) => {
+                        summary.installed_from = Some(a.from);
+                        summary.entries = n;
+                        break;
+                    }
+                    // Completed meanwhile (another request's answer).
+                    Ok(None) => {
+                        summary.already_complete = true;
+                        break;
+                    }
+                    Err(GatherRefusal::Ledger(e)) => {
+                        summary.refused.push((a.from, e.to_string()));
+                    }
+                    Err(GatherRefusal::Device(e)) => return Err(e),
+                }
+            }
+            Ok(summary)
+        }
+        .await;
+        super::manager::lock(&self.shared.gathers).remove(&(group, nonce));
+        result
+    }
+
+    /// Install a gathered ledger (`plain`, an encoded entry list) if it
+    /// reproduces the group's authenticated head now. Answers how many
+    /// entries it holds, or `None` when the ledger was complete already.
+    async fn install_gathered(
+        &self,
+        group: GroupId,
+        plain: &[u8],
+    ) -> Result<Option<usize>, GatherRefusal> {
+        let mut guard = self.shared.registry.lock(group).await;
+        let mut rec = self.record(group)?;
+        if rec.ledger_complete {
+            return Ok(None);
+        }
+        let head = guard
+            .read(|g| GroupExt::from_extensions(g.extensions()))
+            .map_err(DeviceError::from)?
+            .ok()
+            .flatten()
+            .map(|ext| ext.ledger_head)
+            .ok_or_else(|| DeviceError::Mls("the group has no valid hubsync extension".into()))?;
+        let (entries, state) = verify_ledger(group, plain, &head).map_err(GatherRefusal::Ledger)?;
+        for e in &entries {
+            self.shared.hlc.observe_bounded(
+                e.ord,
+                self.shared.clock.now_ms(),
+                super::lane::HLC_MAX_AHEAD_MS,
+            );
+        }
+        rec.ledger_complete = true;
+        rec.hubs = state.hubs.clone();
+        rec.commit_hub = super::lane::select_commit_hub(&state);
+        let mut b = WriteBatch::new();
+        let encoded: Vec<Vec<u8>> = entries.iter().map(Entry::encode).collect();
+        self.shared
+            .records
+            .replace_ledger(&mut b, &group, &encoded)
+            .map_err(DeviceError::from)?;
+        self.shared.records.put_group(&mut b, &rec);
+        guard.finish(b).map_err(DeviceError::from)?;
+        drop(guard);
+        self.emit(Event::LedgerChanged { group });
+        self.sync_peers(&rec);
+        Ok(Some(entries.len()))
+    }
+
+    /// Encrypt `control` for the group and queue it for every hub of the
+    /// group, like a message (waiting for room in the outbox).
+    async fn send_control(&self, group: GroupId, control: &Control) -> Result<(), DeviceError> {
+        let body = postcard::to_allocvec(control).map_err(|e| DeviceError::Mls(e.to_string()))?;
+        self.broadcast_with(group, &body, CONTROL_AAD, true).await?;
+        Ok(())
+    }
+
+    /// A control message from `sender` arrived in `group` (called with the
+    /// group's lock held: it only looks, and leaves any answer to a task).
+    pub(super) fn on_control(&self, group: GroupId, sender: DeviceId, body: &[u8]) {
+        let Ok(control) = postcard::from_bytes::<Control>(body) else {
+            self.shared.counters.dropped.fetch_add(1, Ordering::Relaxed);
+            return;
+        };
+        match control {
+            Control::LedgerRequest { nonce, hpke_public } => {
+                let this = self.clone();
+                self.shared.tasks.spawn(async move {
+                    if let Err(e) = this.answer_ledger(group, sender, nonce, hpke_public).await {
+                        this.shared
+                            .counters
+                            .control_failures
+                            .fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(%group, requester = %sender, error = %e, "ledger request not answered");
+                    }
+                });
+            }
+            Control::LedgerAnswer {
+                nonce,
+                to,
+                kem_output,
+                ciphertext,
+            } => {
+                if to != self.shared.identity.id() {
+                    return;
+                }
+                let pending = super::manager::lock(&self.shared.gathers);
+                if let Some(p) = pending.get(&(group, nonce)) {
+                    // Full: the requester has 64 unread answers already.
+                    let _ = p.tx.try_send(Answer {
+                        from: sender,
+                        kem_output,
+                        ciphertext,
+                    });
+                }
+            }
+        }
+    }
+
+    /// Answer `requester`'s ledger request with our whole ledger, sealed to
+    /// its key, if our ledger is complete.
+    async fn answer_ledger(
+        &self,
+        group: GroupId,
+        requester: DeviceId,
+        nonce: [u8; 16],
+        hpke_public: Vec<u8>,
+    ) -> Result<(), DeviceError> {
+        let rec = self.record(group)?;
+        if !rec.ledger_complete {
+            return Ok(());
+        }
+        let delay = self.shared.faults.answer_delay_ms.load(Ordering::Relaxed);
+        if delay > 0 {
+            tokio::time::sleep(Duration::from_millis(delay)).await;
+        }
+        let mut entries = self.ledger_entries(group)?;
+        match self.shared.faults.lying_ledger.load(Ordering::Relaxed) {
+            1 if entries.len() > 1 => entries.swap(0, 1),
+            2 => {
+                entries.pop();
+            }
+            _ => {}
+        }
+        let plain = ledger::encode_list(&entries);
+        let crypto = self.shared.registry.provider().crypto();
+        let mut guard = self.shared.registry.lock(group).await;
+        let suite = guard.read(|g| g.ciphersuite())?;
+        drop(guard);
+        let sealed = crypto
+            .hpke_seal(
+                suite.hpke_config(),
+                &hpke_public,
+                ANSWER_INFO,
+                &answer_aad(&group, &nonce),
+                &plain,
+            )
+            .map_err(|e| DeviceError::Mls(format!("HPKE seal: {e:?}")))?;
+        let answer = Control::LedgerAnswer {
+            nonce,
+            to: requester,
+            kem_output: sealed.kem_output.as_slice().to_vec(),
+            ciphertext: sealed.ciphertext.as_slice().to_vec(),
+        };
+        self.send_control(group, &answer).await
+    }
+}
+
+/// Why a gathered ledger was not installed.
+enum GatherRefusal {
+    /// It does not fold, or not to the authenticated head: the answer is
+    /// refused.
+    Ledger(LedgerError),
+    /// This device failed (store, MLS): the catch-up stops with it.
+    Device(DeviceError),
+}
+
+impl From<DeviceError> for GatherRefusal {
+    fn from(e: DeviceError) -> Self {
+        GatherRefusal::Device(e)
+    }
+}
