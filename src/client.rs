@@ -64,7 +64,17 @@ pub enum ClientError {
         /// What failed.
         reason: String,
     },
-    /// No answer in time.
+    /// The request never left this client (the connection was closed, or
+    /// the wait for room to send it ran out): it certainly took no effect
+    /// at the hub, so it can be sent again on another connection without
+    /// asking what became of it.
+    #[error("the request was never sent: {reason}")]
+    NotSent {
+        /// Why.
+        reason: &'static str,
+    },
+    /// No answer in time; the request was sent, so it may or may not have
+    /// taken effect ([`ClientError::outcome_unknown`]).
     #[error("{what} timed out after {after:?}")]
     Timeout {
         /// What was waited for.
@@ -92,6 +102,19 @@ pub enum ClientError {
         /// Ours.
         ours: u16,
     },
+}
+
+impl ClientError {
+    /// Whether the request may have taken effect at the hub although no
+    /// answer says so (`Timeout` or `Disconnected` after it was sent): a
+    /// publish is then retried with the same publish id to find out. A
+    /// refusal, an answer, and [`ClientError::NotSent`] are all certain.
+    pub fn outcome_unknown(&self) -> bool {
+        matches!(
+            self,
+            ClientError::Timeout { .. } | ClientError::Disconnected
+        )
+    }
 }
 
 /// Something the hub pushed.
@@ -373,26 +396,48 @@ impl HubClient {
             Some(m) => {
                 m.insert(id, done);
             }
-            None => return Err(ClientError::Disconnected),
+            None => {
+                return Err(ClientError::NotSent {
+                    reason: "the connection is closed",
+                })
+            }
         }
         let frame = ClientFrame::Request { id, op }.encode();
         let limit = self.inner.options.request_timeout;
+        // Whether the frame reached the writer: before, a failure is
+        // certain to have had no effect; after, it is unknown.
+        let mut sent = false;
         let result = tokio::time::timeout(limit, async {
             self.inner
                 .tx
                 .send(Message::Binary(frame.into()))
                 .await
-                .map_err(|_| ClientError::Disconnected)?;
+                .map_err(|_| ClientError::NotSent {
+                    reason: "the connection is closed",
+                })?;
+            sent = true;
             answer.await.map_err(|_| ClientError::Disconnected)
         })
         .await;
+        let forget = || {
+            if let Some(m) = lock(&self.inner.pending).as_mut() {
+                m.remove(&id);
+            }
+        };
         match result {
             Ok(Ok(r)) => r.map_err(ClientError::Hub),
-            Ok(Err(e)) => Err(e),
+            Ok(Err(e)) => {
+                forget();
+                Err(e)
+            }
+            Err(_) if !sent => {
+                forget();
+                Err(ClientError::NotSent {
+                    reason: "no room to send it before the request timeout",
+                })
+            }
             Err(_) => {
-                if let Some(m) = lock(&self.inner.pending).as_mut() {
-                    m.remove(&id);
-                }
+                forget();
                 Err(ClientError::Timeout {
                     what: "request",
                     after: limit,
@@ -443,6 +488,17 @@ impl HubClient {
             Response::Fetched(f) => Ok(f),
             other => Err(unexpected(other)),
         }
+    }
+
+    /// The head of a topic's log now (`None`: nothing was ever appended),
+    /// durable at the hub. Reads no frame.
+    ///
+    /// # Errors
+    /// As [`HubClient::request`].
+    pub async fn head(&self, topic: &TopicId) -> Result<Option<u64>, ClientError> {
+        // A fetch after the last possible sequence number returns no frame,
+        // only the head (docs/protocol.md section 8).
+        Ok(self.fetch(topic, u64::MAX, 1).await?.head)
     }
 
     /// Subscribe to a topic (durably).

@@ -1017,3 +1017,37 @@ async fn receive_answers_the_last_delivery_id_given_to_the_device() {
         "a cursor above it shows a store that went back in time"
     );
 }
+
+/// A client asks a topic's head without reading a frame; another device's
+/// mailbox head is refused like its frames; and a request made on a closed
+/// client is told apart from one whose outcome is unknown.
+#[tokio::test]
+async fn head_is_asked_alone_and_a_request_that_never_left_says_so() {
+    let hub = TestHub::start_with(unthrottled).await.unwrap();
+    let c = hub.client(&signing_key(1)).await.unwrap();
+    let other = hub.client(&signing_key(2)).await.unwrap();
+    let t = TopicId::from("heads");
+    assert_eq!(c.head(&t).await.unwrap(), None);
+    for n in 1..=3 {
+        c.publish(log("heads", n, ExpectedHead::Unconditional, b"x"))
+            .await
+            .unwrap();
+    }
+    assert_eq!(c.head(&t).await.unwrap(), Some(3));
+    assert_eq!(other.head(&t).await.unwrap(), Some(3));
+    let theirs = TopicId::mailbox(&c.device());
+    assert_eq!(
+        other.head(&theirs).await,
+        Err(ClientError::Hub(HubError::NotAuthorized))
+    );
+
+    c.close();
+    let e = c
+        .publish(log("heads", 9, ExpectedHead::Unconditional, b"y"))
+        .await
+        .unwrap_err();
+    assert!(matches!(e, ClientError::NotSent { .. }), "{e:?}");
+    assert!(!e.outcome_unknown());
+    assert!(ClientError::Disconnected.outcome_unknown());
+    assert_eq!(other.head(&t).await.unwrap(), Some(3), "nothing was sent");
+}

@@ -972,7 +972,11 @@ async fn session(
                 ping = None;
                 match r {
                     Ok(_) => {}
-                    Err(e @ (ClientError::Timeout { .. } | ClientError::Disconnected)) => {
+                    Err(
+                        e @ (ClientError::Timeout { .. }
+                        | ClientError::Disconnected
+                        | ClientError::NotSent { .. }),
+                    ) => {
                         return SessionEnd::Lost(format!("keepalive failed: {e}"));
                     }
                     Err(e) => tracing::warn!(error = %e, "keepalive ping refused"),

@@ -285,6 +285,7 @@ impl SendFailure {
             | ClientError::Handshake { .. }
             | ClientError::Timeout { .. }
             | ClientError::Disconnected
+            | ClientError::NotSent { .. }
             | ClientError::Protocol(_)
             | ClientError::Version { .. }) => retry(other.to_string()),
         }
