@@ -592,8 +592,9 @@ fn self_update_commit(
 ///   F's key but signed by A (a bad signature), and a last resort naming F
 ///   with A's key; the admin invites F three times.
 ///
-/// Every invite fails with `NoKeyPackage` having consumed a forged
-/// package (the pools are drained: the engine saw each and refused it),
+/// Every invite fails with `InvalidKeyPackage` having consumed a forged
+/// package, reported as `KeyPackageRefused` (the pools are drained: the
+/// engine saw each and refused it); once none is left, `NoKeyPackage`;
 /// nothing is published on the commit topic (so no Welcome either), the
 /// roster and epoch stay, and the group goes on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -644,11 +645,27 @@ async fn a_key_package_whose_leaf_is_not_its_device_is_never_invited() {
         .await
         .unwrap();
     for _ in 0..2 {
-        assert_eq!(
-            a.invite(g, a_id).await.unwrap_err(),
-            CommitError::NoKeyPackage(a_id)
+        let e = a.invite(g, a_id).await.unwrap_err();
+        assert!(
+            matches!(&e, CommitError::InvalidKeyPackage { device, reason, .. }
+                if *device == a_id && reason.contains("not the invitee's own device")),
+            "{e:?}"
         );
     }
+    assert_eq!(
+        a.invite(g, a_id).await.unwrap_err(),
+        CommitError::NoKeyPackage(a_id),
+        "none left: a different error"
+    );
+    wa.until(
+        "both forgeries reported",
+        |e| matches!(e, Event::KeyPackageRefused { device, .. } if *device == a_id),
+    )
+    .await;
+    assert_eq!(
+        wa.count(|e| matches!(e, Event::KeyPackageRefused { device, .. } if *device == a_id)),
+        2
+    );
     assert_eq!(
         attacker.client.key_package_status().await.unwrap(),
         (0, false),
@@ -664,9 +681,10 @@ async fn a_key_package_whose_leaf_is_not_its_device_is_never_invited() {
         .await
         .unwrap();
     for _ in 0..3 {
-        assert_eq!(
-            a.invite(g, victim).await.unwrap_err(),
-            CommitError::NoKeyPackage(victim)
+        let e = a.invite(g, victim).await.unwrap_err();
+        assert!(
+            matches!(&e, CommitError::InvalidKeyPackage { device, .. } if *device == victim),
+            "{e:?}"
         );
     }
     assert_eq!(

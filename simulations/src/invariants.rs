@@ -206,6 +206,9 @@ pub fn event_line(e: &Event) -> String {
         Event::RecoveryFailed { group, remedy, .. } => {
             format!("recovery-failed {} {remedy:?}", &group.to_string()[..8])
         }
+        Event::KeyPackageRefused { device, hub, .. } => {
+            format!("key-package-refused {} {hub}", short(device))
+        }
         Event::InboxTrimmed { group, position } => {
             format!("inbox-trimmed {} {position}", &group.to_string()[..8])
         }

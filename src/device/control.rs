@@ -8,6 +8,7 @@
 //! them again when the commit arrives, so a device that skips the local
 //! check only forks itself off.
 
+use super::events::Event;
 use super::frames::{publish_id, WelcomeEnvelope};
 use super::identity::{credential_matches_key, device_id_of};
 use super::lane::{CommitError, CommitKind, LaneResult, Plan};
@@ -208,6 +209,7 @@ impl GroupPeerManager {
     ) -> Result<KeyPackage, CommitError> {
         let mut hubs = vec![rec.commit_hub.clone()];
         hubs.extend(rec.hubs.iter().filter(|h| **h != rec.commit_hub).cloned());
+        let mut invalid = None;
         for hub in &hubs {
             if super::lane::is_loopback(hub) {
                 continue;
@@ -224,7 +226,7 @@ impl GroupPeerManager {
                 k.validate(crypto, ProtocolVersion::Mls10)
                     .map_err(|e| e.to_string())
             });
-            match kp {
+            let reason = match kp {
                 Ok(kp) => {
                     let leaf = kp.leaf_node();
                     if device_id_of(leaf.credential()) == Some(device)
@@ -235,12 +237,22 @@ impl GroupPeerManager {
                     {
                         return Ok(kp);
                     }
-                    tracing::warn!(hub, "claimed key package is not the invitee's own leaf");
+                    "its leaf is not the invitee's own device".to_string()
                 }
-                Err(e) => tracing::warn!(hub, error = %e, "claimed key package is invalid"),
-            }
+                Err(e) => format!("not a valid MLS key package: {e}"),
+            };
+            self.emit(Event::KeyPackageRefused {
+                device,
+                hub: hub.clone(),
+                reason: reason.clone(),
+            });
+            invalid.get_or_insert(CommitError::InvalidKeyPackage {
+                device,
+                hub: hub.clone(),
+                reason,
+            });
         }
-        Err(CommitError::NoKeyPackage(device))
+        Err(invalid.unwrap_or(CommitError::NoKeyPackage(device)))
     }
 
     /// Remove `device`: its `member.remove` entry (this device must be an

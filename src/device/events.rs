@@ -146,6 +146,16 @@ pub enum Event {
         /// Why it did not help.
         reason: String,
     },
+    /// A claimed key package of `device` was refused (it is not valid MLS,
+    /// or its leaf is not `device`'s own): someone planted it on `hub`.
+    KeyPackageRefused {
+        /// The device it claims to be.
+        device: DeviceId,
+        /// The hub that handed it out.
+        hub: String,
+        /// Why.
+        reason: String,
+    },
     /// A hub connection changed status.
     HubStatus {
         /// The hub.

@@ -169,6 +169,22 @@ pub enum CommitError {
     /// own device) could be claimed on the group's hubs.
     #[error("no key package for {0} on the group's hubs")]
     NoKeyPackage(DeviceId),
+    /// A hub handed out a key package of the invitee that is not valid: it
+    /// does not verify as MLS, or its leaf is not the invitee's own device
+    /// (a forgery, by a stranger or the hub's operator). It was claimed and
+    /// is spent; it was also reported as [`Event::KeyPackageRefused`].
+    /// Nothing was committed. Inviting again claims the next package.
+    ///
+    /// [`Event::KeyPackageRefused`]: crate::device::Event::KeyPackageRefused
+    #[error("the key package of {device} claimed on {hub} is invalid: {reason}")]
+    InvalidKeyPackage {
+        /// The invitee.
+        device: DeviceId,
+        /// The hub that handed it out.
+        hub: String,
+        /// Why it was refused.
+        reason: String,
+    },
     /// `invite_many` was given no device to invite.
     #[error("nobody to invite into group {0}")]
     NoInvitees(GroupId),
