@@ -651,3 +651,31 @@ async fn an_app_that_stops_before_processing_reads_its_messages_after_reopening(
     assert_eq!(b.mark_processed(g, 0).unwrap(), 1);
     assert_eq!(b.stats().inbox_trimmed, 0);
 }
+
+/// A device can be awaited until it is invitable (then the first invite
+/// lands with no retry); one whose hub is unreachable is told which hub is
+/// missing and why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_device_is_awaited_until_it_can_be_invited() {
+    let hubs = hubs(1).await;
+    let u = urls(&hubs);
+    let a = TestDevice::open(&u).await.unwrap();
+    let b = TestDevice::open(&u).await.unwrap();
+    b.ready_for_invites(WAIT).await.unwrap();
+    let g = a.create_group(&u).await.unwrap();
+    a.invite(g, b.id()).await.unwrap();
+
+    // Nothing listens on a port just released.
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("ws://{}", l.local_addr().unwrap())
+    };
+    let c = TestDevice::open(std::slice::from_ref(&dead)).await.unwrap();
+    match c.ready_for_invites(Duration::from_millis(500)).await {
+        Err(hubsync::device::DeviceError::NotReady { missing }) => {
+            assert_eq!(missing.len(), 1);
+            assert_eq!(missing[0].0, dead);
+        }
+        other => panic!("expected NotReady, got {other:?}"),
+    }
+}

@@ -459,6 +459,16 @@ impl Device {
         self.manager.request_ledger_catchup(group, deadline).await
     }
 
+    /// Wait until this device can be invited: its key packages are on
+    /// every hub of its own. A device just opened is not invitable until
+    /// then (an invite answers `NoKeyPackage`).
+    ///
+    /// # Errors
+    /// See [`GroupPeerManager::ready_for_invites`].
+    pub async fn ready_for_invites(&self, within: Duration) -> Result<(), DeviceError> {
+        self.manager.ready_for_invites(within).await
+    }
+
     /// Events: messages, membership, epochs, hub status.
     pub fn events(&self) -> broadcast::Receiver<Event> {
         self.manager.events()

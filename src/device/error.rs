@@ -31,6 +31,14 @@ pub enum DeviceError {
     /// The device was stopped.
     #[error("the device is stopped")]
     Stopped,
+    /// The device was not ready to be invited by the deadline: on these
+    /// hubs of its own its key packages are not (yet) stocked. Each names
+    /// the last restock failure there, or that the hub was not reached.
+    #[error("not ready to be invited; key packages missing on {missing:?}")]
+    NotReady {
+        /// `(hub, why)` for each hub still missing key packages.
+        missing: Vec<(String, String)>,
+    },
     /// The outbox already owes its hubs as many publishes as it may hold
     /// ([`crate::device::outbox::OutboxConfig::max_owed`]); nothing was
     /// sent. Wait (or call [`crate::device::Device::send`], which waits)

@@ -218,6 +218,9 @@ pub(super) struct Shared {
     pub first_events: Mutex<Option<broadcast::Receiver<Event>>>,
     /// The device's own hubs: their links stay even when no group uses them.
     pub own_hubs: Mutex<Vec<String>>,
+    /// Per own hub: `Ok` once key packages are stocked there, else the last
+    /// restock failure (absent: not tried yet).
+    pub stocked: watch::Sender<BTreeMap<String, Result<(), String>>>,
     pub counters: Counters,
     pub shutdown: CancellationToken,
     pub tasks: TaskTracker,
@@ -368,6 +371,7 @@ impl GroupPeerManager {
                 events,
                 first_events: Mutex::new(Some(first_events)),
                 own_hubs: Mutex::new(Vec::new()),
+                stocked: watch::Sender::new(BTreeMap::new()),
                 counters: Counters::default(),
                 shutdown: CancellationToken::new(),
                 tasks: TaskTracker::new(),
@@ -503,9 +507,14 @@ impl GroupPeerManager {
                 // Nobody can claim a key package on our own loopback hub.
                 if s == super::link::LinkStatus::Connected && !super::loopback::is_loopback(l.url())
                 {
-                    if let Err(e) = me.restock_key_packages(&l).await {
+                    let r = me.restock_key_packages(&l).await;
+                    if let Err(e) = &r {
                         tracing::warn!(hub = l.url(), error = %e, "key package restock failed");
                     }
+                    let url = l.url().to_string();
+                    me.shared.stocked.send_modify(|m| {
+                        m.insert(url, r.map_err(|e| e.to_string()));
+                    });
                 }
                 tokio::select! {
                     _ = stop.cancelled() => break,
@@ -811,6 +820,52 @@ impl GroupPeerManager {
         let mut id = [0u8; 16];
         self.shared.rng.fill(&mut id);
         id
+    }
+
+    /// Wait until this device can be invited: its key packages are stocked
+    /// on every hub of its own (each restocks on connecting; a pool that
+    /// others drain is restocked later, so this says "was stocked", not
+    /// "holds one now").
+    ///
+    /// # Errors
+    /// `NotReady` at `within`, naming each hub still missing and why (the
+    /// last restock failure, or that it was not reached); `Stopped`.
+    pub async fn ready_for_invites(&self, within: Duration) -> Result<(), DeviceError> {
+        let hubs: Vec<String> = lock(&self.shared.own_hubs)
+            .iter()
+            .filter(|h| !super::loopback::is_loopback(h))
+            .cloned()
+            .collect();
+        if hubs.is_empty() {
+            return Err(DeviceError::NotReady {
+                missing: vec![(
+                    String::new(),
+                    "the device has no hub of its own to keep key packages on".into(),
+                )],
+            });
+        }
+        let mut rx = self.shared.stocked.subscribe();
+        let until = tokio::time::Instant::now() + within;
+        loop {
+            let missing: Vec<(String, String)> = {
+                let stocked = rx.borrow_and_update();
+                hubs.iter()
+                    .filter_map(|h| match stocked.get(h) {
+                        Some(Ok(())) => None,
+                        Some(Err(e)) => Some((h.clone(), e.clone())),
+                        None => Some((h.clone(), "not reached yet".to_string())),
+                    })
+                    .collect()
+            };
+            if missing.is_empty() {
+                return Ok(());
+            }
+            match tokio::time::timeout_at(until, rx.changed()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(_)) => return Err(DeviceError::Stopped),
+                Err(_) => return Err(DeviceError::NotReady { missing }),
+            }
+        }
     }
 
     /// Keep `pool` key packages on the hub behind `link`, plus a last resort.
