@@ -1,6 +1,7 @@
 //! The `hubsync` binary: run a hub, the end-to-end demo, or the bench.
 
 mod demo;
+mod device_cli;
 
 use clap::{Parser, Subcommand};
 use hubsync::clock::Clock;
@@ -30,6 +31,9 @@ enum Command {
     Hub(HubArgs),
     /// Two real hubs and five devices on loopback, end to end.
     Demo,
+    /// Run a real device from the terminal: one command per run, JSON out
+    /// (see `hubsync device --help`).
+    Device(device_cli::DeviceArgs),
     /// Measure hubsync against raw baselines in the same run (see
     /// docs/performance.md).
     Bench(BenchArgs),
@@ -239,7 +243,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     // The demo narrates on stdout; its logs stay quiet unless asked for.
     let default = match cli.command {
-        Command::Demo | Command::Bench(_) | Command::BenchRawServer => "warn",
+        Command::Demo | Command::Bench(_) | Command::BenchRawServer | Command::Device(_) => "warn",
         Command::Hub(_) => "info",
     };
     tracing_subscriber::fmt()
@@ -259,6 +263,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Hub(args) => rt.block_on(run_hub(args)),
         Command::Demo => rt.block_on(demo::run()),
+        Command::Device(args) => rt.block_on(device_cli::run(args)),
         Command::Bench(args) => rt.block_on(bench(&args)),
         Command::BenchRawServer => rt.block_on(raw_server()),
     };
