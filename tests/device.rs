@@ -679,3 +679,47 @@ async fn a_device_is_awaited_until_it_can_be_invited() {
         other => panic!("expected NotReady, got {other:?}"),
     }
 }
+
+/// A device forgets a group on its own: its state there is gone (and stays
+/// gone after a reopen), it no longer hears the group, its inbox stays
+/// readable, and the others carry on unaffected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forgotten_group_is_gone_here_only() {
+    let hubs = hubs(1).await;
+    let u = urls(&hubs);
+    let a = TestDevice::open(&u).await.unwrap();
+    let mut b = TestDevice::open(&u).await.unwrap();
+    let c = TestDevice::open(&u).await.unwrap();
+    let (mut ib, mut ic) = (Inbox::new(&b), Inbox::new(&c));
+    let g = group_of(&a, &mut [(&b, &mut ib), (&c, &mut ic)], &u).await;
+    a.send(g, b"before").await.unwrap();
+    ib.until("the first message", |i| i.has(b"before")).await;
+
+    b.forget_group(g).await.unwrap();
+    ib.until("the forget announced", |i| {
+        i.events
+            .iter()
+            .any(|e| matches!(e, Event::Forgotten { group } if *group == g))
+    })
+    .await;
+    assert!(matches!(
+        b.members(g).await,
+        Err(hubsync::device::DeviceError::UnknownGroup(x)) if x == g
+    ));
+    assert!(b.groups().unwrap().is_empty());
+    assert!(matches!(
+        b.forget_group(g).await,
+        Err(hubsync::device::DeviceError::UnknownGroup(_))
+    ));
+    assert_eq!(b.messages(g, 0, 10).unwrap()[0].body, b"before".to_vec());
+
+    a.send(g, b"after").await.unwrap();
+    ic.until("the others carry on", |i| i.has(b"after")).await;
+    ib.settle(Duration::from_millis(300)).await;
+    assert!(!ib.has(b"after"), "a forgotten group is not heard");
+    b.reopen().await.unwrap();
+    assert!(
+        b.groups().unwrap().is_empty(),
+        "still forgotten after a reopen"
+    );
+}

@@ -206,6 +206,7 @@ pub fn event_line(e: &Event) -> String {
         Event::RecoveryFailed { group, remedy, .. } => {
             format!("recovery-failed {} {remedy:?}", &group.to_string()[..8])
         }
+        Event::Forgotten { group } => format!("forgotten {}", &group.to_string()[..8]),
         Event::KeyPackageRefused { device, hub, .. } => {
             format!("key-package-refused {} {hub}", short(device))
         }

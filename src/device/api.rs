@@ -469,6 +469,16 @@ impl Device {
         self.manager.ready_for_invites(within).await
     }
 
+    /// Forget a group on this device only (see
+    /// [`GroupPeerManager::forget_group`]): its state goes, nobody is told,
+    /// the durable inbox stays.
+    ///
+    /// # Errors
+    /// `UnknownGroup`, or the store's.
+    pub async fn forget_group(&self, group: GroupId) -> Result<(), DeviceError> {
+        self.manager.forget_group(group).await
+    }
+
     /// Events: messages, membership, epochs, hub status.
     pub fn events(&self) -> broadcast::Receiver<Event> {
         self.manager.events()

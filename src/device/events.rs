@@ -125,6 +125,13 @@ pub enum Event {
         /// Why.
         error: CommitError,
     },
+    /// This device forgot the group on its own
+    /// ([`Device::forget_group`](super::Device::forget_group)): its state
+    /// there is gone; the other members were not told.
+    Forgotten {
+        /// The group.
+        group: GroupId,
+    },
     /// A Welcome addressed to this device was refused (it does not verify,
     /// or it names a group this device holds and its inviter is not that
     /// group's admin). Nothing was joined or changed.

@@ -326,9 +326,39 @@ impl GroupPeerManager {
         Ok(self.members_of(guard)?.into_iter().collect())
     }
 
+    /// Forget a group on this device only: its MLS state (every secret of
+    /// every epoch), records and peers go, and its hub subscriptions are
+    /// dropped, as for a removal; [`Event::Forgotten`] says so. Nothing is
+    /// sent: the other members still count this device as a member until
+    /// an admin removes it, and they go on unaffected. The group's durable
+    /// inbox stays readable. For a group that is gone, or one this device
+    /// must drop at once.
+    ///
+    /// # Errors
+    /// `UnknownGroup`, or the store's.
+    pub async fn forget_group(&self, group: GroupId) -> Result<(), DeviceError> {
+        let mut guard = self.shared.registry.lock(group).await;
+        self.record(group)?;
+        self.drop_group_state(&mut guard, group).await?;
+        self.emit(Event::Forgotten { group });
+        Ok(())
+    }
+
     /// Forget a group this device was removed from: its MLS state (every
     /// secret of every epoch), records and peers.
     pub(super) async fn leave(
+        &self,
+        guard: &mut GroupGuard,
+        group: GroupId,
+    ) -> Result<(), DeviceError> {
+        self.drop_group_state(guard, group).await?;
+        self.emit(Event::Removed { group });
+        Ok(())
+    }
+
+    /// Delete a group's MLS state, records and peers (never its inbox);
+    /// then join a Welcome kept for after this, if there is one.
+    async fn drop_group_state(
         &self,
         guard: &mut GroupGuard,
         group: GroupId,
@@ -344,7 +374,6 @@ impl GroupPeerManager {
         guard.finish(b)?;
         guard.discard();
         self.remove_group(group).await;
-        self.emit(Event::Removed { group });
         // A Welcome that arrived while we still held the group (we were
         // removed and invited again before seeing the removal) can now be
         // joined.
