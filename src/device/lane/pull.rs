@@ -229,6 +229,11 @@ impl GroupPeerManager {
                     url: hub.clone(),
                     source,
                 })?;
+            // The fault holds for a pull already in flight when it was set:
+            // nothing fetched after that is applied.
+            if self.shared.faults.no_pull.load(Ordering::SeqCst) {
+                return Ok(Pulled::CaughtUp);
+            }
             // The store the answer came from: a cursor read on another
             // store of this hub says nothing about this one.
             let store = *link.store_id().borrow();
