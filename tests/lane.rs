@@ -1767,3 +1767,52 @@ async fn with_nobody_to_answer_the_commit_returns_the_original_error_and_reports
     })
     .await;
 }
+
+// ---------------------------------------------------------------------------
+// Leaving
+// ---------------------------------------------------------------------------
+
+/// A member leaves: another member commits its self-signed removal, the
+/// leaver's state there goes (its inbox stays), the others carry on without
+/// it; the last admin may not leave; a device alone in its group forgets it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_leaves_and_another_commits_its_removal() {
+    let hubs = hubs(1).await;
+    let u = urls(&hubs);
+    let a = TestDevice::open(&u).await.unwrap();
+    let b = TestDevice::open(&u).await.unwrap();
+    let c = TestDevice::open(&u).await.unwrap();
+    let (wb, wc) = (Watch::new(&b), Watch::new(&c));
+    let g = group_of(&a, &[(&b, &wb), (&c, &wc)], &u).await;
+    agree(&[&a, &b, &c], g).await;
+    a.send(g, b"before").await.unwrap();
+    wb.until_message(g, b"before").await;
+
+    assert_eq!(
+        b.leave_group(g).await.unwrap(),
+        hubsync::device::LeaveOutcome::Removed
+    );
+    assert!(b.groups().unwrap().is_empty());
+    assert_eq!(b.messages(g, 0, 10).unwrap().len(), 1, "the inbox stays");
+    agree(&[&a, &c], g).await;
+    let mut want = vec![a.id(), c.id()];
+    want.sort();
+    assert_eq!(a.members(g).await.unwrap(), want);
+    let last = a.ledger(g).unwrap().pop().unwrap();
+    assert_eq!(last.kind, EntryType::MemberRemove);
+    assert_eq!((last.author, last.subject_device()), (b.id(), Some(b.id())));
+
+    carry_on(&a, &[&a, &c], &[&wc], g, b"after the leave").await;
+    assert_eq!(wb.got(g, b"after the leave"), 0);
+
+    assert_eq!(
+        a.leave_group(g).await.unwrap_err(),
+        CommitError::Ledger(LedgerError::LastAdmin)
+    );
+    let alone = a.create_group(&u).await.unwrap();
+    assert_eq!(
+        a.leave_group(alone).await.unwrap(),
+        hubsync::device::LeaveOutcome::Forgotten
+    );
+    assert_eq!(a.groups().unwrap(), vec![g]);
+}

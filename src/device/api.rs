@@ -10,7 +10,7 @@
 //! # Ok(()) }
 //! ```
 
-use super::control::Settings;
+use super::control::{LeaveOutcome, Settings};
 use super::directory::HubDirectory;
 use super::error::DeviceError;
 use super::events::Event;
@@ -467,6 +467,15 @@ impl Device {
     /// See [`GroupPeerManager::ready_for_invites`].
     pub async fn ready_for_invites(&self, within: Duration) -> Result<(), DeviceError> {
         self.manager.ready_for_invites(within).await
+    }
+
+    /// Leave a group: a member commits this device's own removal (see
+    /// [`GroupPeerManager::leave_group`]).
+    ///
+    /// # Errors
+    /// See [`GroupPeerManager::leave_group`].
+    pub async fn leave_group(&self, group: GroupId) -> Result<LeaveOutcome, CommitError> {
+        self.manager.leave_group(group).await
     }
 
     /// Forget a group on this device only (see

@@ -52,6 +52,19 @@ pub struct Settings {
     pub members: BTreeMap<(DeviceId, String), Setting>,
 }
 
+/// How long the members other than the designated one wait before they
+/// commit a leave themselves.
+pub const LEAVE_FALLBACK: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// How [`GroupPeerManager::leave_group`] ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LeaveOutcome {
+    /// A member committed this device's removal; its state there is gone.
+    Removed,
+    /// This device was the group's only member: it forgot the group.
+    Forgotten,
+}
+
 impl GroupPeerManager {
     /// Sign a ledger entry as this device, ordered by the device's hybrid
     /// logical clock on the injected clock.
@@ -288,6 +301,96 @@ impl GroupPeerManager {
             },
         )
         .await
+    }
+
+    /// Leave `group`: this device signs its own `member.remove` entry and
+    /// asks the members, in a control message, to commit it (MLS lets no
+    /// member commit its own removal); it returns once it has seen its
+    /// removal ([`LeaveOutcome::Removed`]: its state there is gone, the
+    /// inbox stays). Alone in the group, it forgets the group instead
+    /// ([`LeaveOutcome::Forgotten`]).
+    ///
+    /// Who commits: the remaining member with the lowest device id at
+    /// once; every other member after [`LEAVE_FALLBACK`], if the leaver is
+    /// still there (so one offline member does not hold a leave up).
+    ///
+    /// # Errors
+    /// `UnknownGroup`; `Ledger(LastAdmin)` for the last admin (grant
+    /// another first); `RecoveryRequired` when this device's ledger is
+    /// incomplete; `TimedOut` when no removal was seen within the commit
+    /// deadline (the request stays out: a member may still commit it; or
+    /// call `forget_group`).
+    pub async fn leave_group(&self, group: GroupId) -> Result<LeaveOutcome, CommitError> {
+        let me = self.shared.identity.id();
+        let members = self.members(group).await?;
+        if members.iter().all(|d| *d == me) {
+            self.forget_group(group).await?;
+            return Ok(LeaveOutcome::Forgotten);
+        }
+        let entry = self.sign_entry(EntryType::MemberRemove, group, me.0.to_vec(), Vec::new());
+        self.check_entries(group, std::slice::from_ref(&entry))?;
+        self.send_control(
+            group,
+            &super::control_msg::Control::LeaveRequest {
+                entry: entry.encode(),
+            },
+        )
+        .await?;
+        let until = tokio::time::Instant::now() + self.shared.config.commit_deadline;
+        loop {
+            match self.record(group) {
+                Err(super::DeviceError::UnknownGroup(_)) => return Ok(LeaveOutcome::Removed),
+                Err(e) => return Err(e.into()),
+                Ok(_) if tokio::time::Instant::now() >= until => {
+                    return Err(CommitError::TimedOut(group))
+                }
+                Ok(_) => tokio::time::sleep(std::time::Duration::from_millis(50)).await,
+            }
+        }
+    }
+
+    /// Commit `leaver`'s own removal (`entry`, checked by the caller to be
+    /// its self-signed `member.remove`), as [`GroupPeerManager::leave_group`]
+    /// describes. A removal someone else committed first is no error.
+    pub(super) async fn commit_leave(
+        &self,
+        group: GroupId,
+        leaver: DeviceId,
+        entry: Entry,
+    ) -> Result<(), CommitError> {
+        let me = self.shared.identity.id();
+        let members = self.members(group).await?;
+        if !members.contains(&leaver) {
+            return Ok(());
+        }
+        if members.iter().filter(|d| **d != leaver).min() != Some(&me) {
+            tokio::time::sleep(LEAVE_FALLBACK).await;
+            if !self.members(group).await?.contains(&leaver) {
+                return Ok(());
+            }
+        }
+        self.check_entries(group, std::slice::from_ref(&entry))?;
+        let done = self
+            .commit_plan(
+                group,
+                Plan {
+                    kind: CommitKind::Remove,
+                    op: self.op_id(),
+                    entries: vec![entry],
+                    add: Vec::new(),
+                    remove: Some(leaver),
+                    redriven: false,
+                },
+            )
+            .await;
+        match done {
+            Ok(_) => Ok(()),
+            // Another member committed it first.
+            Err(CommitError::NotAMember { .. })
+            | Err(CommitError::Ledger(ledger::LedgerError::Duplicate(_)))
+            | Err(CommitError::Ledger(ledger::LedgerError::NotAMember(_))) => Ok(()),
+            Err(e) => Err(e),
+        }
     }
 
     /// Update this device's own leaf (post-compromise security). Any member

@@ -5,7 +5,8 @@
 //!
 //! The requester sends a **ledger request** to the group: an MLS application
 //! message (so only a current member can send one, and every member knows
-//! which member asks) whose authenticated data is [`CONTROL_AAD`] and whose
+//! which member asks) whose authenticated data is
+//! [`CONTROL_AAD`](super::control_msg::CONTROL_AAD) and whose
 //! content is a [`Control::LedgerRequest`] with a fresh nonce and a fresh
 //! HPKE public key. Every member whose own ledger is complete answers with
 //! its whole ledger in enactment order, HPKE-sealed to that key, in a
@@ -21,6 +22,7 @@
 //! a removed member sees neither requests nor answers (it has no epoch
 //! secrets), and answers are sealed to the requester alone.
 
+use super::control_msg::Control;
 use super::error::DeviceError;
 use super::ledger::{self, Entry, GroupExt, LedgerError, LedgerState};
 use super::manager::GroupPeerManager;
@@ -31,15 +33,10 @@ use crate::wire::DeviceId;
 use openmls_traits::crypto::OpenMlsCrypto;
 use openmls_traits::types::HpkeCiphertext;
 use openmls_traits::OpenMlsProvider;
-use serde::{Deserialize, Serialize};
+
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 use tokio::sync::mpsc;
-
-/// The authenticated data that marks an MLS application message as an
-/// engine control message (its content a postcard [`Control`] inside the
-/// usual app-message frame), never handed to the app.
-pub const CONTROL_AAD: &[u8] = b"hubsync control v1";
 
 /// The HPKE `info` of a sealed ledger answer.
 const ANSWER_INFO: &[u8] = b"hubsync ledger answer v1";
@@ -47,34 +44,6 @@ const ANSWER_INFO: &[u8] = b"hubsync ledger answer v1";
 /// Answers one request can queue before the requester reads them; more are
 /// dropped (and the requester, reading none of them, reports no answer).
 const ANSWER_QUEUE: usize = 64;
-
-/// An engine control message between members.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub enum Control {
-    /// "Send me your whole ledger, sealed to this key."
-    LedgerRequest {
-        /// Ties answers to this request.
-        nonce: [u8; 16],
-        /// A fresh HPKE public key (the group's ciphersuite's KEM).
-        #[serde(with = "serde_bytes")]
-        hpke_public: Vec<u8>,
-    },
-    /// One member's whole ledger, in enactment order, sealed to the
-    /// request's key.
-    LedgerAnswer {
-        /// The request's nonce.
-        nonce: [u8; 16],
-        /// The requester (only it can open the answer; the others ignore it).
-        to: DeviceId,
-        /// HPKE encapsulated key.
-        #[serde(with = "serde_bytes")]
-        kem_output: Vec<u8>,
-        /// HPKE ciphertext of the encoded entry list, with the group id and
-        /// the nonce as additional data.
-        #[serde(with = "serde_bytes")]
-        ciphertext: Vec<u8>,
-    },
-}
 
 /// What a ledger catch-up did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -93,14 +62,14 @@ pub struct LedgerCatchupSummary {
 
 /// One answer as the requester receives it.
 pub(super) struct Answer {
-    from: DeviceId,
-    kem_output: Vec<u8>,
-    ciphertext: Vec<u8>,
+    pub from: DeviceId,
+    pub kem_output: Vec<u8>,
+    pub ciphertext: Vec<u8>,
 }
 
 /// A ledger request waiting for answers.
 pub(super) struct Pending {
-    tx: mpsc::Sender<Answer>,
+    pub tx: mpsc::Sender<Answer>,
 }
 
 fn answer_aad(group: &GroupId, nonce: &[u8; 16]) -> Vec<u8> {
@@ -262,59 +231,9 @@ impl GroupPeerManager {
         Ok(Some(entries.len()))
     }
 
-    /// Encrypt `control` for the group and queue it for every hub of the
-    /// group, like a message (waiting for room in the outbox).
-    async fn send_control(&self, group: GroupId, control: &Control) -> Result<(), DeviceError> {
-        let body = postcard::to_allocvec(control).map_err(|e| DeviceError::Mls(e.to_string()))?;
-        self.broadcast_with(group, &body, CONTROL_AAD, true).await?;
-        Ok(())
-    }
-
-    /// A control message from `sender` arrived in `group` (called with the
-    /// group's lock held: it only looks, and leaves any answer to a task).
-    pub(super) fn on_control(&self, group: GroupId, sender: DeviceId, body: &[u8]) {
-        let Ok(control) = postcard::from_bytes::<Control>(body) else {
-            self.shared.counters.dropped.fetch_add(1, Ordering::Relaxed);
-            return;
-        };
-        match control {
-            Control::LedgerRequest { nonce, hpke_public } => {
-                let this = self.clone();
-                self.shared.tasks.spawn(async move {
-                    if let Err(e) = this.answer_ledger(group, sender, nonce, hpke_public).await {
-                        this.shared
-                            .counters
-                            .control_failures
-                            .fetch_add(1, Ordering::Relaxed);
-                        tracing::warn!(%group, requester = %sender, error = %e, "ledger request not answered");
-                    }
-                });
-            }
-            Control::LedgerAnswer {
-                nonce,
-                to,
-                kem_output,
-                ciphertext,
-            } => {
-                if to != self.shared.identity.id() {
-                    return;
-                }
-                let pending = super::manager::lock(&self.shared.gathers);
-                if let Some(p) = pending.get(&(group, nonce)) {
-                    // Full: the requester has 64 unread answers already.
-                    let _ = p.tx.try_send(Answer {
-                        from: sender,
-                        kem_output,
-                        ciphertext,
-                    });
-                }
-            }
-        }
-    }
-
     /// Answer `requester`'s ledger request with our whole ledger, sealed to
     /// its key, if our ledger is complete.
-    async fn answer_ledger(
+    pub(super) async fn answer_ledger(
         &self,
         group: GroupId,
         requester: DeviceId,

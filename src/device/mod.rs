@@ -3,6 +3,7 @@
 
 mod api;
 mod control;
+pub mod control_msg;
 pub mod crypto;
 pub mod directory;
 pub mod error;
@@ -27,7 +28,7 @@ pub mod storage;
 pub mod topics;
 
 pub use api::{Device, DeviceOptions};
-pub use control::Settings;
+pub use control::{LeaveOutcome, Settings};
 pub use error::DeviceError;
 pub use events::Event;
 pub use gather::LedgerCatchupSummary;

@@ -539,7 +539,7 @@ impl GroupPeerManager {
             }
         };
         let sender = device_id_of(processed.credential());
-        let control = processed.aad() == super::gather::CONTROL_AAD;
+        let control = processed.aad() == super::control_msg::CONTROL_AAD;
         let ProcessedMessageContent::ApplicationMessage(am) = processed.into_content() else {
             return Ok(vec![]);
         };
@@ -885,7 +885,7 @@ impl GroupPeerManager {
 
     /// [`GroupPeerManager::broadcast`] with `aad` as the MLS message's
     /// authenticated data (empty for an app message,
-    /// [`CONTROL_AAD`](super::gather::CONTROL_AAD) for a control message).
+    /// [`CONTROL_AAD`](super::control_msg::CONTROL_AAD) for a control message).
     pub(super) async fn broadcast_with(
         &self,
         group: GroupId,

@@ -256,7 +256,9 @@ impl LedgerState {
             }
             EntryType::MemberRemove => {
                 let d = device_subject(e)?;
-                if !admin {
+                // An admin removes anyone; any member may remove itself
+                // (leaving), which another member commits.
+                if !admin && d != e.author {
                     return Err(not_authorized());
                 }
                 if !self.is_member(&d) {
@@ -662,6 +664,19 @@ mod tests {
         let (mut s, a, b, _) = group();
         let e = about(EntryType::MemberRemove, &a, 10, &b);
         refuse(&mut s, &e, not_authorized(EntryType::MemberRemove, &b));
+    }
+
+    #[test]
+    fn a_member_may_remove_itself_but_not_as_the_last_admin() {
+        let (mut s, a, b, _) = group();
+        s.apply(&about(EntryType::MemberRemove, &b, 10, &b))
+            .expect("a member leaves");
+        assert!(!s.is_member(&b.id));
+        refuse(
+            &mut s,
+            &about(EntryType::MemberRemove, &a, 11, &a),
+            LedgerError::LastAdmin,
+        );
     }
 
     #[test]
