@@ -288,6 +288,17 @@ impl GroupPeerManager {
             device.0.to_vec(),
             Vec::new(),
         );
+        self.commit_removal(group, device, entry).await
+    }
+
+    /// Check `entry` (the `member.remove` of `device`) and commit it with
+    /// the MLS remove of `device`'s leaf.
+    async fn commit_removal(
+        &self,
+        group: GroupId,
+        device: DeviceId,
+        entry: Entry,
+    ) -> Result<LaneResult, CommitError> {
         self.check_entries(group, std::slice::from_ref(&entry))?;
         self.commit_plan(
             group,
@@ -369,21 +380,7 @@ impl GroupPeerManager {
                 return Ok(());
             }
         }
-        self.check_entries(group, std::slice::from_ref(&entry))?;
-        let done = self
-            .commit_plan(
-                group,
-                Plan {
-                    kind: CommitKind::Remove,
-                    op: self.op_id(),
-                    entries: vec![entry],
-                    add: Vec::new(),
-                    remove: Some(leaver),
-                    redriven: false,
-                },
-            )
-            .await;
-        match done {
+        match self.commit_removal(group, leaver, entry).await {
             Ok(_) => Ok(()),
             // Another member committed it first.
             Err(CommitError::NotAMember { .. })

@@ -281,6 +281,15 @@ mod tests {
         out
     }
 
+    fn positions(inbox: &Inbox, g: &GroupId) -> Vec<u64> {
+        inbox
+            .read(g, 0, 100)
+            .unwrap()
+            .iter()
+            .map(|m| m.position)
+            .collect()
+    }
+
     #[test]
     fn positions_grow_by_one_per_message_even_within_one_batch() {
         let (inbox, kv) = inbox(100, 0);
@@ -307,12 +316,7 @@ mod tests {
         deliver(&inbox, &kv, &g, 4);
         assert_eq!(inbox.mark_processed(&g, 3).unwrap(), 3);
         // One processed message is kept (position 3); 1 and 2 are gone.
-        let left: Vec<u64> = inbox
-            .read(&g, 0, 10)
-            .unwrap()
-            .iter()
-            .map(|m| m.position)
-            .collect();
+        let left = positions(&inbox, &g);
         assert_eq!(left, vec![3, 4]);
         assert_eq!(
             inbox.mark_processed(&g, 1).unwrap(),
@@ -341,12 +345,7 @@ mod tests {
         let staged = deliver(&inbox, &kv, &g, 5);
         let trimmed: Vec<Option<u64>> = staged.iter().map(|s| s.trimmed).collect();
         assert_eq!(trimmed, vec![None, None, None, Some(1), Some(2)]);
-        let left: Vec<u64> = inbox
-            .read(&g, 0, 10)
-            .unwrap()
-            .iter()
-            .map(|m| m.position)
-            .collect();
+        let left = positions(&inbox, &g);
         assert_eq!(left, vec![3, 4, 5]);
         // Processing makes room again.
         inbox.mark_processed(&g, 4).unwrap();
