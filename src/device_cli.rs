@@ -121,18 +121,17 @@ pub async fn run(args: DeviceArgs) -> Result<(), String> {
 }
 
 async fn command(device: &Device, hubs: &[String], op: DeviceOp) -> Result<(), String> {
-    let s = |e: &dyn std::fmt::Display| e.to_string();
     match op {
         DeviceOp::Id => print(json!({ "device": device.id().to_string() })),
         DeviceOp::Ready { secs } => {
             device
                 .ready_for_invites(Duration::from_secs(secs))
                 .await
-                .map_err(|e| s(&e))?;
+                .map_err(|e| e.to_string())?;
             print(json!({ "ready": true }));
         }
         DeviceOp::CreateGroup => {
-            let g = device.create_group(hubs).await.map_err(|e| s(&e))?;
+            let g = device.create_group(hubs).await.map_err(|e| e.to_string())?;
             print(json!({ "group": g.to_string() }));
         }
         DeviceOp::Invite { group, device: who } => {
@@ -140,34 +139,34 @@ async fn command(device: &Device, hubs: &[String], op: DeviceOp) -> Result<(), S
             device
                 .invite(g, device_arg(&who)?)
                 .await
-                .map_err(|e| s(&e))?;
-            print(json!({ "epoch": device.epoch(g).await.map_err(|e| s(&e))? }));
+                .map_err(|e| e.to_string())?;
+            print(json!({ "epoch": device.epoch(g).await.map_err(|e| e.to_string())? }));
         }
         DeviceOp::Remove { group, device: who } => {
             let g = group_arg(&group)?;
             device
                 .remove(g, device_arg(&who)?)
                 .await
-                .map_err(|e| s(&e))?;
-            print(json!({ "epoch": device.epoch(g).await.map_err(|e| s(&e))? }));
+                .map_err(|e| e.to_string())?;
+            print(json!({ "epoch": device.epoch(g).await.map_err(|e| e.to_string())? }));
         }
         DeviceOp::Send { group, text } => {
             let sent = device
                 .send(group_arg(&group)?, text.as_bytes())
                 .await
-                .map_err(|e| s(&e))?;
+                .map_err(|e| e.to_string())?;
             print(json!({ "id": hex::encode(sent.id), "epoch": sent.epoch }));
         }
         DeviceOp::Members { group } => {
             let members = device
                 .members(group_arg(&group)?)
                 .await
-                .map_err(|e| s(&e))?;
+                .map_err(|e| e.to_string())?;
             let members: Vec<String> = members.iter().map(ToString::to_string).collect();
             print(json!({ "members": members }));
         }
         DeviceOp::Groups => {
-            let groups = device.groups().map_err(|e| s(&e))?;
+            let groups = device.groups().map_err(|e| e.to_string())?;
             let groups: Vec<String> = groups.iter().map(ToString::to_string).collect();
             print(json!({ "groups": groups }));
         }

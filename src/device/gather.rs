@@ -90,10 +90,7 @@ pub(super) fn verify_ledger(
     head: &[u8; 32],
 ) -> Result<(Vec<Entry>, LedgerState), LedgerError> {
     let entries = ledger::decode_list(plain)?;
-    let state = LedgerState::fold(group, &entries)?;
-    if state.head != *head {
-        return Err(LedgerError::HeadMismatch);
-    }
+    let state = LedgerState::fold_to(group, &entries, head)?;
     Ok((entries, state))
 }
 
@@ -207,16 +204,8 @@ impl GroupPeerManager {
             .map(|ext| ext.ledger_head)
             .ok_or_else(|| DeviceError::Mls("the group has no valid hubsync extension".into()))?;
         let (entries, state) = verify_ledger(group, plain, &head).map_err(GatherRefusal::Ledger)?;
-        for e in &entries {
-            self.shared.hlc.observe_bounded(
-                e.ord,
-                self.shared.clock.now_ms(),
-                super::lane::HLC_MAX_AHEAD_MS,
-            );
-        }
         rec.ledger_complete = true;
-        rec.hubs = state.hubs.clone();
-        rec.commit_hub = super::lane::select_commit_hub(&state);
+        self.follow_ledger(&mut rec, &state, &entries);
         let mut b = WriteBatch::new();
         let encoded: Vec<Vec<u8>> = entries.iter().map(Entry::encode).collect();
         self.shared

@@ -171,9 +171,14 @@ impl Inbox {
         // Full: the oldest unprocessed message goes. A mark racing this
         // may have processed it just now; then the report over-counts,
         // it never hides a loss.
-        let processed = self.counter(None, &group_key(PROCESSED, group))?;
+        // Only a position past the bound can make the inbox full: below
+        // it, the processed position is not read at all.
         let mut trimmed = None;
-        if position.saturating_sub(processed) > self.config.max_unprocessed {
+        let full = position > self.config.max_unprocessed && {
+            let processed = self.counter(None, &group_key(PROCESSED, group))?;
+            position - processed > self.config.max_unprocessed
+        };
+        if full {
             let victim = position - self.config.max_unprocessed;
             let victim_key = entry_key(group, victim);
             if batch.staged(&victim_key).is_none() && self.kv.get(&victim_key)?.is_some() {

@@ -77,6 +77,28 @@ impl HubConfig {
     }
 }
 
+impl HubConfig {
+    /// Whether the configuration makes sense.
+    ///
+    /// # Errors
+    /// `Limits` or `Url`, naming what is wrong.
+    fn check(&self) -> Result<(), HubStartError> {
+        self.limits.validate().map_err(HubStartError::Limits)?;
+        if self.max_unauthenticated == 0 || self.auth_deadline.is_zero() {
+            return Err(HubStartError::Limits(
+                "max_unauthenticated and auth_deadline must be above 0".into(),
+            ));
+        }
+        let scheme_ok = ["ws://", "wss://", crate::transport::LOOPBACK_SCHEME]
+            .iter()
+            .any(|s| self.url.starts_with(s));
+        if !scheme_ok {
+            return Err(HubStartError::Url(self.url.clone()));
+        }
+        Ok(())
+    }
+}
+
 /// Why a hub could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum HubStartError {
@@ -210,6 +232,9 @@ impl Hub {
         clock: Clock,
         rng: SharedRng,
     ) -> Result<Hub, HubStartError> {
+        // An invalid configuration leaves a new store untouched (no
+        // identity written into it).
+        config.check()?;
         let store = KvHubStore::open(kv, &rng)?;
         Self::start_on(store, config, clock, rng)
     }
@@ -227,18 +252,7 @@ impl Hub {
         clock: Clock,
         rng: SharedRng,
     ) -> Result<Hub, HubStartError> {
-        config.limits.validate().map_err(HubStartError::Limits)?;
-        if config.max_unauthenticated == 0 || config.auth_deadline.is_zero() {
-            return Err(HubStartError::Limits(
-                "max_unauthenticated and auth_deadline must be above 0".into(),
-            ));
-        }
-        let scheme_ok = ["ws://", "wss://", crate::transport::LOOPBACK_SCHEME]
-            .iter()
-            .any(|s| config.url.starts_with(s));
-        if !scheme_ok {
-            return Err(HubStartError::Url(config.url.clone()));
-        }
+        config.check()?;
         let flusher = tokio::spawn(store.background());
         let core = HubCore::open(store, config.limits.clone(), clock.clone());
         let shared = Arc::new(HubShared {

@@ -26,7 +26,6 @@ mod pull;
 pub use crate::device::loopback::is_loopback;
 pub(crate) use build::Plan;
 pub use classify::SkipReason;
-pub(crate) use pull::HLC_MAX_AHEAD_MS;
 pub use pull::{select_commit_hub, PullError, LOOPBACK_HUB};
 
 use super::ledger::{Entry, LedgerError};

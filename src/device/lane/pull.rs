@@ -29,7 +29,7 @@ use std::sync::atomic::Ordering;
 
 /// How far ahead of our clock another member's entry may pull our hybrid
 /// logical clock.
-pub(crate) const HLC_MAX_AHEAD_MS: u64 = 60_000;
+const HLC_MAX_AHEAD_MS: u64 = 60_000;
 
 /// Frames fetched per page.
 const PAGE: u32 = 100;
@@ -1002,6 +1002,25 @@ impl GroupPeerManager {
         Ok(())
     }
 
+    /// The ledger grew by `landed` to `state`: our clock observes their
+    /// `ord`s (bounded: one member's clock far ahead must not drag every
+    /// later entry of ours with it), and the record follows the ledger's
+    /// hubs and commit hub.
+    pub(crate) fn follow_ledger(
+        &self,
+        rec: &mut GroupRecord,
+        state: &LedgerState,
+        landed: &[Entry],
+    ) {
+        for e in landed {
+            self.shared
+                .hlc
+                .observe_bounded(e.ord, self.shared.clock.now_ms(), HLC_MAX_AHEAD_MS);
+        }
+        rec.hubs = state.hubs.clone();
+        rec.commit_hub = select_commit_hub(state);
+    }
+
     /// After a merge (ours or another's): the ledger grows, the record
     /// follows the ledger (hubs, commit hub), the cursor and the merged
     /// commit are remembered, all in one batch with the MLS state; then
@@ -1045,17 +1064,12 @@ impl GroupPeerManager {
                     })?
                 }
             };
-            for e in l.entries.iter().filter_map(|e| Entry::decode(e).ok()) {
-                // Bounded: one member's clock far ahead must not drag
-                // every later entry of ours with it.
-                self.shared.hlc.observe_bounded(
-                    e.ord,
-                    self.shared.clock.now_ms(),
-                    HLC_MAX_AHEAD_MS,
-                );
-            }
-            rec.hubs = state.hubs.clone();
-            rec.commit_hub = select_commit_hub(&state);
+            let landed: Vec<Entry> = l
+                .entries
+                .iter()
+                .filter_map(|e| Entry::decode(e).ok())
+                .collect();
+            self.follow_ledger(rec, &state, &landed);
         }
         self.after_merge(guard, rec, l.roster, b)?;
         if ledger_changed {
