@@ -1816,3 +1816,36 @@ async fn a_member_leaves_and_another_commits_its_removal() {
     );
     assert_eq!(a.groups().unwrap(), vec![g]);
 }
+
+/// A member that floods ledger requests is answered at most
+/// `MAX_CONTROL_TASKS` at a time; the requests beyond are dropped and
+/// counted, not queued.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ledger_requests_beyond_the_bound_are_dropped_and_counted() {
+    use hubsync::device::control_msg::MAX_CONTROL_TASKS;
+    let hubs = hubs(1).await;
+    let u = urls(&hubs);
+    let a = TestDevice::open(&u).await.unwrap();
+    let b = TestDevice::open(&u).await.unwrap();
+    let wb = Watch::new(&b);
+    let g = group_with_incomplete_member(&a, &[], &b, &wb, &u).await;
+    // Every answer task of `a` stays busy for the whole test.
+    a.manager().faults().answer_delay_ms.store(60_000, SeqCst);
+    let before = a.stats().dropped;
+    let extra = 4;
+    for _ in 0..MAX_CONTROL_TASKS + extra {
+        let s = b
+            .manager()
+            .request_ledger_catchup(g, Duration::from_millis(10))
+            .await
+            .unwrap();
+        assert_eq!(s.installed_from, None);
+    }
+    eventually("the requests past the bound dropped", || {
+        a.stats().dropped >= before + extra
+    })
+    .await;
+    // Nothing more is dropped: the first requests hold their places.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(a.stats().dropped, before + extra);
+}

@@ -15,6 +15,11 @@ use crate::wire::DeviceId;
 use serde::{Deserialize, Serialize};
 use std::sync::atomic::Ordering;
 
+/// Members' control requests one device handles at once, at most: each
+/// may send a whole ledger, so a member that floods requests is answered
+/// this many times at a time, and the rest are dropped (and counted).
+pub const MAX_CONTROL_TASKS: u64 = 16;
+
 /// The authenticated data that marks an MLS application message as an
 /// engine control message (its content a postcard [`Control`] inside the
 /// usual app-message frame), never handed to the app.
@@ -82,6 +87,36 @@ impl GroupPeerManager {
         Ok(())
     }
 
+    /// Handle `sender`'s request on a task of its own, unless
+    /// [`MAX_CONTROL_TASKS`] are running already (then this one is dropped
+    /// and counted in `DeviceStats::dropped`: its sender asks again if it
+    /// still needs to). A failure is counted in
+    /// `DeviceStats::control_failures`.
+    fn handle_request<F, Fut>(&self, group: GroupId, sender: DeviceId, what: &'static str, work: F)
+    where
+        F: FnOnce(GroupPeerManager) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = Result<(), DeviceError>> + Send + 'static,
+    {
+        let running = &self.shared.control_tasks;
+        if running.fetch_add(1, Ordering::AcqRel) >= MAX_CONTROL_TASKS {
+            running.fetch_sub(1, Ordering::AcqRel);
+            self.shared.counters.dropped.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        let this = self.clone();
+        self.shared.tasks.spawn(async move {
+            let result = work(this.clone()).await;
+            this.shared.control_tasks.fetch_sub(1, Ordering::AcqRel);
+            if let Err(e) = result {
+                this.shared
+                    .counters
+                    .control_failures
+                    .fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(%group, member = %sender, error = %e, "{what} not handled");
+            }
+        });
+    }
+
     /// A control message from `sender` arrived in `group` (called with the
     /// group's lock held: it only looks, and leaves any answer to a task).
     pub(super) fn on_control(&self, group: GroupId, sender: DeviceId, body: &[u8]) {
@@ -91,15 +126,8 @@ impl GroupPeerManager {
         };
         match control {
             Control::LedgerRequest { nonce, hpke_public } => {
-                let this = self.clone();
-                self.shared.tasks.spawn(async move {
-                    if let Err(e) = this.answer_ledger(group, sender, nonce, hpke_public).await {
-                        this.shared
-                            .counters
-                            .control_failures
-                            .fetch_add(1, Ordering::Relaxed);
-                        tracing::warn!(%group, requester = %sender, error = %e, "ledger request not answered");
-                    }
+                self.handle_request(group, sender, "ledger request", move |this| async move {
+                    this.answer_ledger(group, sender, nonce, hpke_public).await
                 });
             }
             Control::LedgerAnswer {
@@ -128,15 +156,10 @@ impl GroupPeerManager {
                     self.shared.counters.dropped.fetch_add(1, Ordering::Relaxed);
                     return;
                 };
-                let this = self.clone();
-                self.shared.tasks.spawn(async move {
-                    if let Err(e) = this.commit_leave(group, sender, entry).await {
-                        this.shared
-                            .counters
-                            .control_failures
-                            .fetch_add(1, Ordering::Relaxed);
-                        tracing::warn!(%group, leaver = %sender, error = %e, "leave request not committed");
-                    }
+                self.handle_request(group, sender, "leave request", move |this| async move {
+                    this.commit_leave(group, sender, entry)
+                        .await
+                        .map_err(DeviceError::from)
                 });
             }
         }

@@ -193,6 +193,9 @@ pub(super) struct Shared {
     pub inbox: Inbox,
     /// Ledger requests of this device waiting for answers.
     pub gathers: Mutex<BTreeMap<(GroupId, [u8; 16]), super::gather::Pending>>,
+    /// Members' control requests this device is handling now (at most
+    /// [`super::control_msg::MAX_CONTROL_TASKS`]).
+    pub control_tasks: AtomicU64,
     pub outbox: Outbox,
     pub directory: HubDirectory,
     pub connector: Arc<dyn Connector>,
@@ -359,6 +362,7 @@ impl GroupPeerManager {
                 registry,
                 inbox: Inbox::new(records.kv().clone(), config.inbox),
                 gathers: Mutex::new(BTreeMap::new()),
+                control_tasks: AtomicU64::new(0),
                 records,
                 outbox,
                 directory,
