@@ -1606,3 +1606,87 @@ async fn a_standard_clients_public_message_commit_is_accepted() {
     );
     assert_eq!(wa.stranded() + wb.stranded(), 0);
 }
+
+// ---------------------------------------------------------------------------
+// External commits
+// ---------------------------------------------------------------------------
+
+/// An external commit is a member rejoining in its own place
+/// (docs/protocol.md section 27) and nothing else: nobody joins from
+/// outside without an invite entry.
+///
+/// A member `m` (a plain openmls client) leaks the group's GroupInfo and
+/// its commit topic's writer key to an outsider `x`, who builds an
+/// external commit adding a leaf of its own. Published by `x`, the members
+/// skip it as a stranger's frame; published by `m` itself (a member, so
+/// past the stranger rule), they refuse it as an external commit that is
+/// not a member re-adding its own leaf. Neither moves the epoch, strands
+/// anyone or makes `x` a member, and the group goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outsider_with_a_leaked_group_info_cannot_join_by_external_commit() {
+    let hub = hub().await;
+    let u = vec![hub.url().to_string()];
+    let a = TestDevice::open(&u).await.unwrap();
+    let b = TestDevice::open(&u).await.unwrap();
+    let (wa, wb) = (Watch::new(&a), Watch::new(&b));
+    let g = group_of(&a, &[(&b, &wb)], &u).await;
+
+    let mut m = Raw::connect(&hub, 8201).await;
+    m.listen_for_welcomes().await;
+    let kp = m.key_package(m.honest(), &m.signer);
+    m.client.upload_key_packages(vec![kp], None).await.unwrap();
+    a.invite(g, m.id()).await.unwrap();
+    let env = m.next_welcome().await;
+    let group = m.join(&env, MIXED_CIPHERTEXT_WIRE_FORMAT_POLICY);
+    let (e, _) = agree(&[&a, &b], g).await;
+    assert_eq!(group.epoch().as_u64(), e);
+    let topic = commit_writer_of(&group, &m.provider);
+    let info = group
+        .export_group_info(m.provider.crypto(), &m.signer, true)
+        .unwrap()
+        .tls_serialize_detached()
+        .unwrap();
+
+    let x = Raw::connect(&hub, 8202).await;
+    let MlsMessageBodyIn::GroupInfo(vgi) = MlsMessageIn::tls_deserialize_exact(info.as_slice())
+        .unwrap()
+        .extract()
+    else {
+        panic!("not a GroupInfo")
+    };
+    let p = &x.provider;
+    let (_joined, bundle) = MlsGroup::external_commit_builder()
+        .with_config(raw_join_config(MIXED_CIPHERTEXT_WIRE_FORMAT_POLICY))
+        .build_group(p, vgi, x.honest())
+        .unwrap()
+        .leaf_node_parameters(
+            LeafNodeParameters::builder()
+                .with_capabilities(capabilities())
+                .build(),
+        )
+        .load_psks(p.storage())
+        .unwrap()
+        .build(p.rand(), p.crypto(), &x.signer, |_| true)
+        .unwrap()
+        .finalize(p)
+        .unwrap();
+    let commit = bundle.commit().tls_serialize_detached().unwrap();
+
+    let by_x = x.publish_at_head(&topic, commit.clone()).await;
+    for w in [&wa, &wb] {
+        assert_eq!(w.skipped_at(g, by_x).await, SkipReason::Stranger);
+    }
+    let by_m = m.publish_at_head(&topic, commit).await;
+    for w in [&wa, &wb] {
+        let why = w.skipped_at(g, by_m).await;
+        assert!(
+            matches!(&why, SkipReason::LedgerRefused(r) if r.contains("external commit")),
+            "{why:?}"
+        );
+    }
+    let (e1, _) = agree(&[&a, &b], g).await;
+    assert_eq!(e1, e, "no external commit moved the epoch");
+    assert!(!a.members(g).await.unwrap().contains(&x.id()));
+    assert_eq!(wa.stranded() + wb.stranded(), 0);
+    carry_on(&a, &[&a, &b], &[&wb], g, b"after the outsider").await;
+}

@@ -1740,9 +1740,9 @@ async fn ledger_catchup_refuses_a_reordered_and_a_truncated_ledger_and_installs_
     assert_eq!(second.entries, ledger.len());
 }
 
-/// With no member left to answer, the facade's commit returns the original
-/// `RecoveryRequired` once the gather's deadline passed, and reports the
-/// remedy that did not help.
+/// With no member left to answer, the facade's commit runs the gather,
+/// then the rejoin, each once and in that order, reports each as failed,
+/// and returns the original `RecoveryRequired`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_nobody_to_answer_the_commit_returns_the_original_error_and_reports_it() {
     let hubs = hubs(1).await;
@@ -1750,6 +1750,7 @@ async fn with_nobody_to_answer_the_commit_returns_the_original_error_and_reports
     let mut a = TestDevice::open(&u).await.unwrap();
     let mut options = hubsync::testkit::device_options(&u);
     options.manager.gather_deadline = Duration::from_secs(1);
+    options.manager.rejoin_deadline = Duration::from_secs(1);
     let b = TestDevice::open_with(options).await.unwrap();
     let wb = Watch::new(&b);
     let g = group_with_incomplete_member(&a, &[], &b, &wb, &u).await;
@@ -1759,13 +1760,15 @@ async fn with_nobody_to_answer_the_commit_returns_the_original_error_and_reports
         matches!(got, Err(CommitError::RecoveryRequired(x)) if x == g),
         "{got:?}"
     );
-    wb.until("the gather reported as failed", |e| {
-        matches!(
-            e,
-            Event::RecoveryFailed { group, remedy: hubsync::device::Remedy::Gather, .. } if *group == g
-        )
-    })
-    .await;
+    use hubsync::device::Remedy;
+    let failed = |remedy: Remedy| move |e: &Event| matches!(e, Event::RecoveryFailed { group, remedy: r, .. } if *group == g && *r == remedy);
+    wb.until("the rejoin reported as failed", failed(Remedy::Rejoin))
+        .await;
+    let gather = first_at(&wb, failed(Remedy::Gather)).expect("the gather reported as failed");
+    let rejoin = first_at(&wb, failed(Remedy::Rejoin)).expect("the rejoin reported as failed");
+    assert!(gather < rejoin, "gather first, then rejoin");
+    assert_eq!(wb.count(failed(Remedy::Gather)), 1, "each remedy once");
+    assert_eq!(wb.count(failed(Remedy::Rejoin)), 1, "each remedy once");
 }
 
 // ---------------------------------------------------------------------------
@@ -1848,4 +1851,243 @@ async fn ledger_requests_beyond_the_bound_are_dropped_and_counted() {
     // Nothing more is dropped: the first requests hold their places.
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(a.stats().dropped, before + extra);
+}
+
+// ---------------------------------------------------------------------------
+// Rejoining (the deep remedy)
+// ---------------------------------------------------------------------------
+
+/// The position in `w`'s events of the first one `pred` holds for.
+fn first_at(w: &Watch, pred: impl Fn(&Event) -> bool) -> Option<usize> {
+    w.snapshot().iter().position(pred)
+}
+
+/// Every ledger entry of `d` in `g` is there once.
+fn entries_once(d: &TestDevice, g: GroupId) {
+    let ledger = d.ledger(g).unwrap();
+    let ids: std::collections::BTreeSet<_> = ledger.iter().map(|e| e.id()).collect();
+    assert_eq!(ids.len(), ledger.len(), "every entry once");
+}
+
+/// A member offline while the hub trimmed its commit log past the member's
+/// cursor comes back and is stranded. Its commit rejoins by external commit
+/// (a gather first would be useless: the members' answers are in epochs it
+/// cannot read), the rejoin gathers the ledger it lacked (its Welcome's
+/// was short), and the retry lands. Afterwards it commits and reads
+/// normally, and the ledger holds every entry once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_offline_past_the_logs_depth_rejoins_and_gathers_its_ledger() {
+    let hub = TestHub::start_with(|c| {
+        unthrottled(c);
+        c.limits.max_log_depth = 3;
+    })
+    .await
+    .unwrap();
+    let u = vec![hub.url().to_string()];
+    let a = TestDevice::open(&u).await.unwrap();
+    let b = TestDevice::open(&u).await.unwrap();
+    let mut c = TestDevice::open(&u).await.unwrap();
+    let wb = Watch::new(&b);
+    let wc = Watch::new(&c);
+    let g = group_of(&a, &[(&b, &wb)], &u).await;
+    group_with_incomplete_member_in(&a, g, &c, &wc).await;
+    let (e, _) = agree(&[&a, &b], g).await;
+    wait_epoch(&c, g, e).await;
+
+    c.close().await;
+    for _ in 0..5 {
+        a.rotate_keys(g).await.unwrap();
+    }
+    let (e5, _) = agree(&[&a, &b], g).await;
+    assert_eq!(e5, e + 5);
+
+    c.reopen().await.unwrap();
+    let wc = Watch::new(&c);
+    wc.until(
+        "stranded",
+        |ev| matches!(ev, Event::Stranded { group } if *group == g),
+    )
+    .await;
+    assert!(
+        !c.manager().record(g).unwrap().ledger_complete,
+        "c's ledger is still incomplete"
+    );
+    let r = c.rotate_keys(g).await.unwrap();
+    assert!(r.reenact.is_empty(), "nothing of c's was lost");
+    wc.until(
+        "the ledger gathered",
+        |ev| matches!(ev, Event::LedgerChanged { group } if *group == g),
+    )
+    .await;
+    let gathered = first_at(
+        &wc,
+        |ev| matches!(ev, Event::LedgerChanged { group } if *group == g),
+    )
+    .expect("the ledger installed");
+    let rejoined = first_at(
+        &wc,
+        |ev| matches!(ev, Event::Rejoined { group, .. } if *group == g),
+    )
+    .expect("c rejoined");
+    assert!(
+        rejoined < gathered,
+        "rejoined, then gathered in the new epoch: {:?}",
+        wc.snapshot()
+    );
+    assert_eq!(
+        wc.count(|ev| matches!(ev, Event::RecoveryFailed { .. })),
+        0,
+        "no remedy failed"
+    );
+    assert_eq!(
+        wc.count(|ev| matches!(ev, Event::Rejoined { .. })),
+        1,
+        "one rejoin"
+    );
+    let (e2, _) = agree(&[&a, &b, &c], g).await;
+    assert_eq!(e2, e5 + 2, "the external commit, then c's rotation");
+    assert!(c.ledger_view(g).unwrap().is_member(&a.id()));
+    entries_once(&c, g);
+    let mut want = vec![a.id(), b.id(), c.id()];
+    want.sort();
+    assert_eq!(a.members(g).await.unwrap(), want, "c has one leaf");
+    message_reaches(&c, &[&wb], g, b"back").await;
+    message_reaches(&a, &[&wc], g, b"welcome back").await;
+    b.rotate_keys(g).await.unwrap();
+    agree(&[&a, &b, &c], g).await;
+}
+
+/// `invite` `c` into `g` with a Welcome whose ledger is short.
+async fn group_with_incomplete_member_in(a: &TestDevice, g: GroupId, c: &TestDevice, wc: &Watch) {
+    a.manager()
+        .faults()
+        .short_welcome_ledger
+        .store(true, SeqCst);
+    invite_with_retry(a, g, c.id()).await;
+    a.manager()
+        .faults()
+        .short_welcome_ledger
+        .store(false, SeqCst);
+    wc.until(
+        "the welcome",
+        |ev| matches!(ev, Event::GroupJoined { group, .. } if *group == g),
+    )
+    .await;
+    assert!(!c.manager().record(g).unwrap().ledger_complete);
+}
+
+/// The loser of a fork (its commit was accepted, then the hub was restored
+/// from an older copy and another member's commit took that position)
+/// rejoins, and the ledger entry its lost commit carried is issued again,
+/// once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_loser_of_a_fork_rejoins_and_its_lost_entry_is_issued_again_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let hub = hub_at(dir.path(), "127.0.0.1:0").await;
+    let addr = hub.addr().to_string();
+    let u = vec![hub.url().to_string()];
+    let mut a = TestDevice::open(&u).await.unwrap();
+    let mut b = TestDevice::open(&u).await.unwrap();
+    let wb = Watch::new(&b);
+    let g = group_of(&a, &[(&b, &wb)], &u).await;
+    let (e, _) = agree(&[&a, &b], g).await;
+
+    hub.stop().await;
+    let copy = tempfile::tempdir().unwrap();
+    copy_dir(dir.path(), copy.path());
+    let hub = hub_at(dir.path(), &addr).await;
+    b.close().await;
+    a.set_setting(g, "color", b"blue").await.unwrap();
+    assert_eq!(a.epoch(g).await.unwrap(), e + 1);
+    a.close().await;
+    hub.stop().await;
+    let _hub = hub_at(copy.path(), &addr).await;
+    b.reopen().await.unwrap();
+    let wb = Watch::new(&b);
+    b.rotate_keys(g).await.unwrap();
+    assert_eq!(
+        b.epoch(g).await.unwrap(),
+        e + 1,
+        "b's commit took a's place"
+    );
+
+    a.reopen().await.unwrap();
+    let wa = Watch::new(&a);
+    wa.until(
+        "a learns it lost the fork",
+        |ev| matches!(ev, Event::Stranded { group } if *group == g),
+    )
+    .await;
+    let r = a.rotate_keys(g).await.unwrap();
+    assert_eq!(r.reenact.len(), 1, "the setting of the lost commit");
+    assert_eq!(r.reenact[0].kind, EntryType::GroupSetting);
+    agree(&[&a, &b], g).await;
+    assert_eq!(settings_named(&a, g, "color"), 1, "issued again, once");
+    assert_eq!(settings_named(&b, g, "color"), 1);
+    entries_once(&b, g);
+    message_reaches(&a, &[&wb], g, b"after the fork").await;
+    message_reaches(&b, &[&wa], g, b"reply").await;
+}
+
+/// With every other member offline, a rejoin gives up at its deadline and
+/// says so (an answer, not an error); a device removed from the group (it
+/// never read its removal) gets refusals from the members and no GroupInfo,
+/// and nothing of the group changes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rejoin_with_nobody_to_answer_fails_and_a_removed_device_gets_no_group_info() {
+    let hubs = hubs(1).await;
+    let u = urls(&hubs);
+    let mut a = TestDevice::open(&u).await.unwrap();
+    let mut ob = device_options(&u);
+    ob.manager.rejoin_deadline = Duration::from_secs(2);
+    let mut b = TestDevice::open_with(ob).await.unwrap();
+    let mut c = TestDevice::open(&u).await.unwrap();
+    let (wb, wc) = (Watch::new(&b), Watch::new(&c));
+    let g = group_of(&a, &[(&b, &wb), (&c, &wc)], &u).await;
+    agree(&[&a, &b, &c], g).await;
+
+    // Nobody online but b.
+    a.close().await;
+    c.close().await;
+    let r = b.rejoin_group(g).await.unwrap();
+    assert!(
+        matches!(r, hubsync::device::RejoinResult::RecoveryFailed { .. }),
+        "{r:?}"
+    );
+    wb.until("the rejoin reported as failed", |ev| {
+        matches!(ev, Event::RecoveryFailed { group, remedy: hubsync::device::Remedy::Rejoin, .. } if *group == g)
+    })
+    .await;
+    drop((a, c));
+    b.close().await;
+    drop(b);
+
+    // A removed device that never read its removal asks to rejoin.
+    let a = TestDevice::open(&u).await.unwrap();
+    let mut ob = device_options(&u);
+    ob.manager.rejoin_deadline = Duration::from_secs(3);
+    let b = TestDevice::open_with(ob).await.unwrap();
+    let c = TestDevice::open(&u).await.unwrap();
+    let (wb, wc) = (Watch::new(&b), Watch::new(&c));
+    let g = group_of(&a, &[(&b, &wb), (&c, &wc)], &u).await;
+    agree(&[&a, &b, &c], g).await;
+    b.manager().faults().no_pull.store(true, SeqCst);
+    a.remove(g, b.id()).await.unwrap();
+    let (e, auth) = agree(&[&a, &c], g).await;
+    let head = a.manager().record(g).unwrap().cursor();
+    let r = b.rejoin_group(g).await.unwrap();
+    match r {
+        hubsync::device::RejoinResult::NotAMember { refused_by } => {
+            assert!(!refused_by.is_empty());
+            assert!(refused_by.iter().all(|d| *d == a.id() || *d == c.id()));
+        }
+        other => panic!("a removed device was answered: {other:?}"),
+    }
+    assert_eq!(b.epoch(g).await.unwrap(), e - 1, "b's state is untouched");
+    assert_eq!(
+        agree(&[&a, &c], g).await,
+        (e, auth),
+        "the group did not move"
+    );
+    assert_eq!(a.manager().record(g).unwrap().cursor(), head);
 }

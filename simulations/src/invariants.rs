@@ -11,7 +11,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 pub struct Violation {
     /// Which invariant: `convergence`, `ledger-head`, `membership`,
     /// `accepted-commits`, `ledger-authority`, `message-lost`,
-    /// `message-duplicated`, `outbox-drained`, `no-panic`, `quiescence`.
+    /// `message-duplicated`, `outbox-drained`, `no-panic`, `quiescence`,
+    /// `strand-without-cause`.
     pub invariant: &'static str,
     /// The group, hex.
     pub group: Option<String>,
@@ -207,6 +208,12 @@ pub fn event_line(e: &Event) -> String {
             format!("recovery-failed {} {remedy:?}", &group.to_string()[..8])
         }
         Event::Forgotten { group } => format!("forgotten {}", &group.to_string()[..8]),
+        Event::LedgerGathered { group, entries, .. } => {
+            format!("ledger-gathered {} {entries}", &group.to_string()[..8])
+        }
+        Event::Rejoined { group, epoch } => {
+            format!("rejoined {} {epoch}", &group.to_string()[..8])
+        }
         Event::KeyPackageRefused { device, hub, .. } => {
             format!("key-package-refused {} {hub}", short(device))
         }
@@ -417,6 +424,26 @@ pub fn check(
                 Some(*group),
                 stranded,
                 "stranded".into(),
+            ));
+        }
+    }
+
+    // A device strands only when a hub lost commits it had accepted (a
+    // rewind): with none, a stranding is a fork the compare-and-set should
+    // have prevented, even if a rejoin healed it afterwards.
+    if history.rewinds.is_empty() {
+        let mut stranded: BTreeMap<GroupId, BTreeSet<DeviceId>> = BTreeMap::new();
+        for (_, dev, e) in events {
+            if let (Event::Stranded { group }, Some(d)) = (e, ids.get(dev)) {
+                stranded.entry(*group).or_default().insert(*d);
+            }
+        }
+        for (group, devices) in stranded {
+            v.push(Violation::new(
+                "strand-without-cause",
+                Some(group),
+                devices.into_iter().collect(),
+                "stranded though no hub lost a commit".into(),
             ));
         }
     }

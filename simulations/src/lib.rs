@@ -245,6 +245,14 @@ pub struct SeedReport {
     /// Accepted commits and missing deliveries not judged because a rewind
     /// may have erased them.
     pub excused: usize,
+    /// Times a device found itself stranded (`Event::Stranded`).
+    pub strands: usize,
+    /// Ledgers gathered from members and installed (`Event::LedgerGathered`).
+    pub gathers: usize,
+    /// Rejoins by external commit (`Event::Rejoined`).
+    pub rejoins: usize,
+    /// Remedies that did not help (`Event::RecoveryFailed`).
+    pub recoveries_failed: usize,
     /// Simulated ms from the end of faults until every invariant's
     /// precondition held (converged, outboxes drained), if it did.
     pub converge_ms: Option<u64>,
@@ -662,10 +670,8 @@ pub fn run_seed(cfg: &SimConfig) -> SeedReport {
     for (t, d, e) in &events {
         h.update(format!("{t} {d} {}\n", invariants::event_line(e)).as_bytes());
     }
-    let deliveries = events
-        .iter()
-        .filter(|(_, _, e)| matches!(e, Event::MessageReceived { .. }))
-        .count();
+    let count = |f: fn(&Event) -> bool| events.iter().filter(|(_, _, e)| f(e)).count();
+    let deliveries = count(|e| matches!(e, Event::MessageReceived { .. }));
     let commits = d.finals.iter().map(|f| f.commits as usize).sum();
     SeedReport {
         seed: cfg.seed,
@@ -681,6 +687,10 @@ pub fn run_seed(cfg: &SimConfig) -> SeedReport {
         stranger_frames: d.stranger_frames,
         refused: d.refused,
         excused: excused.commits + excused.deliveries,
+        strands: count(|e| matches!(e, Event::Stranded { .. })),
+        gathers: count(|e| matches!(e, Event::LedgerGathered { .. })),
+        rejoins: count(|e| matches!(e, Event::Rejoined { .. })),
+        recoveries_failed: count(|e| matches!(e, Event::RecoveryFailed { .. })),
         converge_ms,
         sim_ms,
     }

@@ -103,7 +103,15 @@ fn main() -> ExitCode {
             args.report.display()
         );
     }
-    println!("sim: {} seeds, {violations} violations", reports.len());
+    let total = |f: fn(&hubsync_sim::SeedReport) -> usize| reports.iter().map(f).sum::<usize>();
+    println!(
+        "sim: {} seeds, {violations} violations; {} strands, {} gathers, {} rejoins, {} remedies failed",
+        reports.len(),
+        total(|r| r.strands),
+        total(|r| r.gathers),
+        total(|r| r.rejoins),
+        total(|r| r.recoveries_failed),
+    );
     if violations == 0 {
         ExitCode::SUCCESS
     } else {

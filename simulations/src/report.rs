@@ -15,6 +15,10 @@ pub fn write(dir: &Path, base: &SimConfig, reports: &[SeedReport]) -> std::io::R
     let summary = serde_json::json!({
         "seeds": reports.len(),
         "violations": violations,
+        "strands": reports.iter().map(|r| r.strands).sum::<usize>(),
+        "gathers": reports.iter().map(|r| r.gathers).sum::<usize>(),
+        "rejoins": reports.iter().map(|r| r.rejoins).sum::<usize>(),
+        "recoveries_failed": reports.iter().map(|r| r.recoveries_failed).sum::<usize>(),
         "devices": base.devices,
         "hubs": base.hubs,
         "groups": base.groups,

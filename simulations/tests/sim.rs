@@ -122,7 +122,13 @@ fn merging_before_the_cas_answer_is_caught_as_a_fork() {
         ops: 25,
         ..small(3)
     };
-    assert!(invariants_broken(&cfg).contains(&"convergence"));
+    // The loser forks itself off; a rejoin may heal it by the end, but the
+    // stranding is seen all the same.
+    let v = invariants_broken(&cfg);
+    assert!(
+        v.contains(&"strand-without-cause") || v.contains(&"convergence"),
+        "{v:?}"
+    );
 }
 
 #[test]

@@ -25,6 +25,7 @@ use super::outbox::{Outbox, OutboxConfig};
 use super::provider::DeviceProvider;
 use super::records::{GroupId, Records};
 use super::registry::Registry;
+use super::rejoin::RejoinResult;
 use crate::clock::Clock;
 use crate::kv::{KvStore, SledKv};
 use crate::rng::SharedRng;
@@ -457,6 +458,19 @@ impl Device {
     ) -> Result<LedgerCatchupSummary, DeviceError> {
         let deadline = self.manager.shared.config.gather_deadline;
         self.manager.request_ledger_catchup(group, deadline).await
+    }
+
+    /// Rejoin a group that moved on without this device (it is stranded:
+    /// offline past the commit log's depth, or on the losing side of a
+    /// fork) by external commit through a member's GroupInfo, then gather
+    /// the ledger and issue again this device's own entries the group
+    /// lacks. The group operations above do this on their own when they
+    /// need it; this is for an app that wants control.
+    ///
+    /// # Errors
+    /// See [`GroupPeerManager::rejoin_group`].
+    pub async fn rejoin_group(&self, group: GroupId) -> Result<RejoinResult, DeviceError> {
+        self.manager.rejoin_group(group).await
     }
 
     /// Wait until this device can be invited: its key packages are on

@@ -92,8 +92,13 @@ impl GroupPeerManager {
     /// and counted in `DeviceStats::dropped`: its sender asks again if it
     /// still needs to). A failure is counted in
     /// `DeviceStats::control_failures`.
-    fn handle_request<F, Fut>(&self, group: GroupId, sender: DeviceId, what: &'static str, work: F)
-    where
+    pub(super) fn handle_request<F, Fut>(
+        &self,
+        group: GroupId,
+        sender: DeviceId,
+        what: &'static str,
+        work: F,
+    ) where
         F: FnOnce(GroupPeerManager) -> Fut + Send + 'static,
         Fut: std::future::Future<Output = Result<(), DeviceError>> + Send + 'static,
     {

@@ -103,6 +103,19 @@ pub enum Event {
         /// The group.
         group: GroupId,
     },
+    /// The group's whole ledger was gathered from a member
+    /// ([`request_ledger_catchup`]) and installed: it reproduced the
+    /// group's authenticated ledger head.
+    ///
+    /// [`request_ledger_catchup`]: super::GroupPeerManager::request_ledger_catchup
+    LedgerGathered {
+        /// The group.
+        group: GroupId,
+        /// The member whose answer was installed.
+        from: DeviceId,
+        /// Entries in the installed ledger.
+        entries: usize,
+    },
     /// A commit journalled before a crash or a timeout never landed. A lost
     /// ledger commit is re-driven once (`redriven`); a lost invite or
     /// remove must be issued again by the app.
@@ -141,8 +154,18 @@ pub enum Event {
         /// Why.
         reason: String,
     },
-    /// A remedy [`commit_with_recovery`] tried did not help; the commit
-    /// answered its original error.
+    /// This device rejoined a group that had left it behind, by external
+    /// commit ([`rejoin_group`]); it is at `epoch` and can commit again.
+    ///
+    /// [`rejoin_group`]: super::GroupPeerManager::rejoin_group
+    Rejoined {
+        /// The group.
+        group: GroupId,
+        /// The group's epoch after the rejoin.
+        epoch: u64,
+    },
+    /// A remedy did not help (tried by [`commit_with_recovery`], whose
+    /// commit then answered its original error, or called by the app).
     ///
     /// [`commit_with_recovery`]: super::GroupPeerManager::commit_with_recovery
     RecoveryFailed {

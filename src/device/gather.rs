@@ -110,8 +110,21 @@ impl GroupPeerManager {
         group: GroupId,
         deadline: Duration,
     ) -> Result<LedgerCatchupSummary, DeviceError> {
+        self.gather(group, deadline, false).await
+    }
+
+    /// [`request_ledger_catchup`](Self::request_ledger_catchup); with
+    /// `ask_anyway`, the members are asked even when the ledger is
+    /// complete (after a rejoin, an answer is a member that read this
+    /// device in the new epoch: the summary's `answered`).
+    pub(super) async fn gather(
+        &self,
+        group: GroupId,
+        deadline: Duration,
+        ask_anyway: bool,
+    ) -> Result<LedgerCatchupSummary, DeviceError> {
         let rec = self.record(group)?;
-        if rec.ledger_complete {
+        if rec.ledger_complete && !ask_anyway {
             return Ok(LedgerCatchupSummary {
                 already_complete: true,
                 ..LedgerCatchupSummary::default()
@@ -161,6 +174,11 @@ impl GroupPeerManager {
                 };
                 match self.install_gathered(group, &plain).await {
                     Ok(Some(n)) => {
+                        self.emit(Event::LedgerGathered {
+                            group,
+                            from: a.from,
+                            entries: n,
+                        });
                         summary.installed_from = Some(a.from);
                         summary.entries = n;
                         break;

@@ -28,7 +28,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
-use tokio::sync::{broadcast, watch};
+use tokio::sync::{broadcast, mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -68,6 +68,9 @@ pub struct ManagerConfig {
     pub inbox: InboxConfig,
     /// How long a ledger catch-up waits for an answer that fits.
     pub gather_deadline: Duration,
+    /// How long a rejoin (the deep remedy) keeps asking members for a
+    /// GroupInfo and racing its external commit.
+    pub rejoin_deadline: Duration,
 }
 
 /// A synchronous event callback (see [`ManagerConfig::observer`]).
@@ -92,6 +95,7 @@ impl Default for ManagerConfig {
             observer: None,
             inbox: InboxConfig::default(),
             gather_deadline: Duration::from_secs(10),
+            rejoin_deadline: Duration::from_secs(30),
         }
     }
 }
@@ -147,6 +151,8 @@ pub(super) struct GroupTopics {
     pub commit_hub: String,
     pub commit: TopicId,
     pub app: Vec<TopicId>,
+    /// The group's rendezvous mailbox (read on every hub of the group).
+    pub rendezvous: Option<TopicId>,
 }
 
 impl GroupTopics {
@@ -155,6 +161,7 @@ impl GroupTopics {
             commit_hub: rec.commit_hub.clone(),
             commit: topics::commit_topic(&rec.commit_seed),
             app: rec.app_topics.clone(),
+            rendezvous: rec.rendezvous_seed.as_ref().map(topics::rendezvous_topic),
         }
     }
 }
@@ -186,13 +193,21 @@ impl GroupPeer {
     }
 }
 
+/// A request this device sent or answers: the group and the request's nonce.
+pub(super) type RequestKey = (GroupId, [u8; 16]);
+
 pub(super) struct Shared {
     pub identity: DeviceIdentity,
     pub registry: Registry,
     pub records: Records,
     pub inbox: Inbox,
     /// Ledger requests of this device waiting for answers.
-    pub gathers: Mutex<BTreeMap<(GroupId, [u8; 16]), super::gather::Pending>>,
+    pub gathers: Mutex<BTreeMap<RequestKey, super::gather::Pending>>,
+    /// Rejoin requests of this device waiting for answers.
+    pub rejoins: Mutex<BTreeMap<RequestKey, mpsc::Sender<super::rejoin::Incoming>>>,
+    /// Members' rejoin requests this device means to answer: cancelled when
+    /// another member's answer to the same request is seen first.
+    pub answering: Mutex<BTreeMap<RequestKey, CancellationToken>>,
     /// Members' control requests this device is handling now (at most
     /// [`super::control_msg::MAX_CONTROL_TASKS`]).
     pub control_tasks: AtomicU64,
@@ -362,6 +377,8 @@ impl GroupPeerManager {
                 registry,
                 inbox: Inbox::new(records.kv().clone(), config.inbox),
                 gathers: Mutex::new(BTreeMap::new()),
+                rejoins: Mutex::new(BTreeMap::new()),
+                answering: Mutex::new(BTreeMap::new()),
                 control_tasks: AtomicU64::new(0),
                 records,
                 outbox,

@@ -24,6 +24,7 @@ pub mod provider;
 pub mod records;
 pub mod recovery;
 pub mod registry;
+pub mod rejoin;
 pub mod storage;
 pub mod topics;
 
@@ -40,3 +41,4 @@ pub use manager::{
 pub use peer::Sent;
 pub use records::GroupId;
 pub use recovery::Remedy;
+pub use rejoin::RejoinResult;

@@ -79,6 +79,12 @@ impl GroupPeerManager {
             if is_commit_hub {
                 wanted.push(t.commit.clone());
             }
+            // The rendezvous mailbox on every hub: a member left behind
+            // asks on the hubs it knows, which may not be today's commit
+            // hub.
+            if let Some(r) = &t.rendezvous {
+                wanted.push(r.clone());
+            }
             let mut new_commit_topic = false;
             for topic in &wanted {
                 if subs.contains_key(topic) {
@@ -103,7 +109,7 @@ impl GroupPeerManager {
                         }
                     }),
                 );
-                if *topic != t.commit {
+                if *topic != t.commit && Some(topic) != t.rendezvous.as_ref() {
                     // Frames published before we subscribed are only in
                     // the log: read it from where catch-up last stopped.
                     self.spawn_catch_up(
@@ -152,7 +158,12 @@ impl GroupPeerManager {
                 }
                 item = rx.recv() => {
                     let Some(item) = item else { break };
-                    let handled = if item.topic == t.commit {
+                    let handled = if Some(&item.topic) == t.rendezvous.as_ref() {
+                        // Judged and answered on tasks of their own: a
+                        // stranger's frames cost a decode at most.
+                        self.on_rendezvous(group, &hub, &item.payload);
+                        true
+                    } else if item.topic == t.commit {
                         match self.pull(group).await {
                             Ok(()) => true,
                             Err(e) if e.is_unknown_group() => true,
@@ -750,6 +761,7 @@ impl GroupPeerManager {
             merged: Vec::new(),
             cursor_stores: std::collections::BTreeMap::new(),
             cursor_digests: std::collections::BTreeMap::new(),
+            rendezvous_seed: Some(ext.topic_seed),
         };
         let mut b = op.take_batch();
         self.shared.records.put_group(&mut b, &rec);
@@ -844,6 +856,7 @@ impl GroupPeerManager {
             merged: Vec::new(),
             cursor_stores: std::collections::BTreeMap::new(),
             cursor_digests: std::collections::BTreeMap::new(),
+            rendezvous_seed: Some(topic_seed),
         };
         let mut b = WriteBatch::new();
         self.shared.records.put_group(&mut b, &rec);

@@ -90,6 +90,12 @@ pub struct GroupRecord {
     /// an older copy whose head climbed back past our cursor holds another.
     #[serde(default)]
     pub cursor_digests: BTreeMap<String, [u8; 32]>,
+    /// The group's topic seed (its GroupContext extension's, which never
+    /// changes): what its rendezvous mailbox derives from
+    /// ([`topics::rendezvous_topic`]), kept here so the mailbox is found
+    /// with no MLS state at hand.
+    #[serde(default)]
+    pub rendezvous_seed: Option<[u8; 32]>,
 }
 
 /// One commit this device merged, remembered to judge frames of its epoch.

@@ -2,17 +2,24 @@
 //! an app never has to call a remedy by hand.
 //!
 //! [`GroupPeerManager::commit_with_recovery`] runs a commit; on
-//! [`CommitError::RecoveryRequired`] it tries the cheap remedy (a ledger
-//! gather, [`GroupPeerManager::request_ledger_catchup`]) when the ledger is
-//! what is missing, and retries once. Each remedy runs at most once per
-//! call; when none helps, the original error is returned and every remedy
-//! that failed was reported as [`Event::RecoveryFailed`]. The deep remedy
-//! (rejoining by external commit) is not built yet: a device that is
-//! stranded (not only missing its ledger) gets the original error.
+//! [`CommitError::RecoveryRequired`] it tries the cheap remedy first (a
+//! ledger gather, [`GroupPeerManager::request_ledger_catchup`]) when the
+//! ledger is what is missing and the device can still read the group, and
+//! retries once; then, if the commit still needs recovery, the deep one
+//! (a rejoin by external commit, [`GroupPeerManager::rejoin_group`]) and
+//! one more retry. Each remedy runs at most once per call; when none
+//! helps, the original error is returned, and every remedy that failed
+//! was reported as [`Event::RecoveryFailed`].
+//!
+//! A stranded device skips the gather: members may still read its request
+//! (sent in its old epoch), but their answers are sent in their current
+//! epoch, which it cannot read, so the gather could only cost its
+//! deadline. The rejoin gathers the ledger itself once the device is back.
 
 use super::lane::{CommitError, LaneResult};
 use super::manager::GroupPeerManager;
 use super::records::GroupId;
+use super::rejoin::RejoinResult;
 use super::Event;
 use std::future::Future;
 
@@ -21,12 +28,16 @@ use std::future::Future;
 pub enum Remedy {
     /// Ledger catch-up from the members.
     Gather,
+    /// Rejoining by external commit.
+    Rejoin,
 }
 
 impl GroupPeerManager {
     /// Run `op` (a commit in `group`); on `RecoveryRequired`, gather the
-    /// ledger when it is incomplete and run `op` once more. Answers `op`'s
-    /// last result, or the original error when no remedy helped.
+    /// ledger when it is incomplete and run `op` once more; if it still
+    /// needs recovery, rejoin and run `op` once more. Answers `op`'s last
+    /// result, or the original error when no remedy helped. A rejoin's
+    /// re-enacted entries are in the result's `reenact`.
     ///
     /// # Errors
     /// `op`'s errors.
@@ -44,27 +55,40 @@ impl GroupPeerManager {
             other => return other,
         };
         let rec = self.record(group)?;
-        if !rec.ledger_complete {
+        if !rec.ledger_complete && !rec.stranded {
             let deadline = self.shared.config.gather_deadline;
-            let reason = match self.request_ledger_catchup(group, deadline).await {
-                Ok(s) if s.installed_from.is_some() || s.already_complete => {
-                    return match op().await {
-                        // Still required: the device is stranded too, and
-                        // the deep remedy is not built yet.
-                        Err(CommitError::RecoveryRequired(_)) => Err(original),
-                        other => other,
-                    };
-                }
-                Ok(s) if s.answered.is_empty() => "no member answered".to_string(),
-                Ok(s) => format!("every answer was refused: {:?}", s.refused),
-                Err(e) => e.to_string(),
+            let failed = match self.request_ledger_catchup(group, deadline).await {
+                Ok(s) if s.installed_from.is_some() || s.already_complete => None,
+                Ok(s) if s.answered.is_empty() => Some("no member answered".to_string()),
+                Ok(s) => Some(format!("every answer was refused: {:?}", s.refused)),
+                Err(e) => Some(e.to_string()),
             };
-            self.emit(Event::RecoveryFailed {
-                group,
-                remedy: Remedy::Gather,
-                reason,
-            });
+            match failed {
+                None => match op().await {
+                    Err(CommitError::RecoveryRequired(_)) => {}
+                    other => return other,
+                },
+                Some(reason) => self.emit(Event::RecoveryFailed {
+                    group,
+                    remedy: Remedy::Gather,
+                    reason,
+                }),
+            }
         }
-        Err(original)
+        // `rejoin_group` reports its own failure.
+        let reenact = match self.rejoin_group(group).await? {
+            RejoinResult::Recovered { reenact, .. } => reenact,
+            RejoinResult::NotAMember { .. } | RejoinResult::RecoveryFailed { .. } => {
+                return Err(original)
+            }
+        };
+        match op().await {
+            Ok(mut r) => {
+                r.reenact = reenact;
+                Ok(r)
+            }
+            Err(CommitError::RecoveryRequired(_)) => Err(original),
+            Err(e) => Err(e),
+        }
     }
 }

@@ -31,7 +31,7 @@ enum Step {
 
 impl GroupPeerManager {
     /// The lock that lets one commit run at a time per group.
-    fn lane_lock(&self, group: GroupId) -> Arc<AsyncMutex<()>> {
+    pub(crate) fn lane_lock(&self, group: GroupId) -> Arc<AsyncMutex<()>> {
         let mut lanes = self.shared.lanes.lock().unwrap_or_else(|p| p.into_inner());
         lanes.entry(group).or_default().clone()
     }

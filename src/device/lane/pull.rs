@@ -810,7 +810,8 @@ impl GroupPeerManager {
             self.skip(guard, rec, hub, m, SkipReason::ForeignLeaf(reason))?;
             return Ok(Applied::Next);
         }
-        let (entries, folded) = match self.check_ledger(guard, rec, &staged, &aad, sealed) {
+        let (entries, folded) = match self.check_ledger(guard, rec, &staged, &sender, &aad, sealed)
+        {
             Ok(e) => e,
             Err(reason) => {
                 self.skip(guard, rec, hub, m, SkipReason::LedgerRefused(reason))?;
@@ -870,13 +871,15 @@ impl GroupPeerManager {
     /// Check what a staged commit does to the ledger: the ids its
     /// authenticated data names, the sealed bodies beside it, each entry's
     /// authority against the ledger before it, the head it installs, and
-    /// that every member it adds or removes has its entry. Answers the
-    /// entries, or why the commit is refused.
+    /// that every member it adds or removes has its entry; an external
+    /// commit only from a member taking the place of its own leaf (a
+    /// rejoin). Answers the entries, or why the commit is refused.
     fn check_ledger(
         &self,
         guard: &mut GroupGuard,
         rec: &GroupRecord,
         staged: &StagedCommit,
+        sender: &Sender,
         aad: &[u8],
         sealed: &[u8],
     ) -> Result<(Vec<Entry>, Option<LedgerState>), String> {
@@ -949,6 +952,26 @@ impl GroupPeerManager {
                 .map_err(|e| e.to_string())?
                 .ok_or("a removed leaf has no device identity")?;
             removes.insert(d);
+        }
+        if matches!(sender, Sender::NewMemberCommit) {
+            // A rejoin changes no one's membership: the joiner's new leaf
+            // replaces its old one, so it needs no ledger entry. Anyone
+            // else joining from outside (no old leaf, or another's) would
+            // be a member the ledger never invited.
+            let joiner = staged
+                .update_path_leaf_node()
+                .and_then(|l| device_id_of(l.credential()))
+                .ok_or("an external commit without a leaf of a device")?;
+            if !entries.is_empty()
+                || !adds.is_empty()
+                || removes.len() != 1
+                || !removes.contains(&joiner)
+            {
+                return Err(format!(
+                    "an external commit by {joiner} that is not a member re-adding its own leaf"
+                ));
+            }
+            return Ok((entries, folded));
         }
         if adds != invited {
             return Err("members added without their member.invite entry (or the reverse)".into());

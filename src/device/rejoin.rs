@@ -1,0 +1,881 @@
+//! The deep remedy: a device the group left behind (offline past the commit
+//! log's depth, or the loser of a fork) rejoins by external commit
+//! (DESIGN.md section 4, "recover"; docs/protocol.md section 27).
+//!
+//! 1. The requester posts a [`RejoinRequest`] on the group's **rendezvous
+//!    mailbox** ([`topics::rendezvous_topic`], from the topic seed, which
+//!    never rotates, so a member stranded at any epoch still finds it) on
+//!    every hub it knows for the group: its device id, a fresh nonce and a
+//!    fresh HPKE public key, signed with its device key.
+//! 2. A member that still sees the requester in its tree waits a random
+//!    0-[`ANSWER_JITTER_MS`] ms, then seals a [`Grant`] to that key: a
+//!    GroupInfo of its current epoch with the ratchet tree, and the commit
+//!    hub, commit seed and head of the commit log where that epoch's next
+//!    commit goes. It posts the [`RejoinAnswer`] on the same mailbox; a
+//!    member that sees another's answer to the request first drops its own.
+//!    A member that does not see the requester in its tree posts a signed
+//!    [`RejoinRefusal`] instead.
+//! 3. The requester deletes its old state of the group and joins by
+//!    external commit (which removes its own old leaf, RFC 9420 section
+//!    12.4.3.2), published on that commit log under the compare-and-set on
+//!    the head the member named. A lost race (or no answer from the hub)
+//!    puts the old state back and asks again, until the deadline.
+//! 4. Once in, it asks for the ledger in the new epoch (a member's answer is
+//!    the confirmation that the rejoin was seen) and issues again, once, its
+//!    own ledger entries the group's ledger lacks (`reenact`).
+//!
+//! Who may do what: a request is signed by the device it names, and only a
+//! device in the answering member's tree gets a GroupInfo (a removed
+//! device gets refusals at most); the GroupInfo is sealed to the request's
+//! key, so nobody else on the mailbox (a former member, the hub) reads it;
+//! members judge the external commit like any commit, and take it only
+//! from a member re-adding its own leaf (`lane::pull`).
+
+use super::error::DeviceError;
+use super::events::Event;
+use super::frames::{digest, publish_id};
+use super::ledger::{Entry, EntryType, GroupExt, LedgerState};
+use super::manager::{lock, GroupPeerManager};
+use super::mls;
+use super::records::{GroupId, MergedCommit};
+use super::topics;
+use crate::kv::WriteBatch;
+use crate::wire::{DeviceId, ExpectedHead, Publish, PublishOutcome, RetentionClass, TopicId};
+use openmls::prelude::tls_codec::{Deserialize as _, Serialize as _};
+use openmls::prelude::*;
+use openmls_traits::crypto::OpenMlsCrypto;
+use openmls_traits::types::HpkeCiphertext;
+use openmls_traits::OpenMlsProvider;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeSet;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+/// The HPKE `info` of a sealed [`Grant`].
+const GRANT_INFO: &[u8] = b"hubsync rejoin answer v1";
+
+/// What a request's signature covers, after this domain.
+const REQUEST_DOMAIN: &[u8] = b"hubsync rejoin request v1";
+
+/// What a refusal's signature covers, after this domain.
+const REFUSAL_DOMAIN: &[u8] = b"hubsync rejoin refusal v1";
+
+/// How long a rendezvous frame waits at a hub for a subscriber that is
+/// away: past it the request is stale anyway.
+const RENDEZVOUS_RETENTION_SECS: u64 = 60;
+
+/// The longest a member waits before answering a rejoin request (a random
+/// wait from 0 to this), so that usually one member answers and the others
+/// see its answer and drop theirs.
+pub const ANSWER_JITTER_MS: u64 = 250;
+
+/// How often the requester asks again while nothing it could use came.
+const ASK_INTERVAL: Duration = Duration::from_secs(2);
+
+/// Answers and refusals one request queues before the requester reads
+/// them; more are dropped (a member's answer is one of many alike).
+const INCOMING_QUEUE: usize = 16;
+
+/// A frame on a group's rendezvous mailbox (postcard).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum RendezvousFrame {
+    /// A device asks to rejoin.
+    Request(RejoinRequest),
+    /// A member's GroupInfo for it, sealed.
+    Answer(RejoinAnswer),
+    /// A member does not see the requester in its tree.
+    Refusal(RejoinRefusal),
+}
+
+/// "I am `device`, left behind in `group`: seal me a GroupInfo to this key."
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RejoinRequest {
+    /// The group.
+    pub group: GroupId,
+    /// The requester.
+    pub device: DeviceId,
+    /// Ties answers to this request.
+    pub nonce: [u8; 16],
+    /// A fresh HPKE public key (the group's ciphersuite's KEM).
+    #[serde(with = "serde_bytes")]
+    pub hpke_public: Vec<u8>,
+    /// ed25519 by `device` over [`RejoinRequest::signed_bytes`].
+    #[serde(with = "serde_bytes")]
+    pub signature: Vec<u8>,
+}
+
+impl RejoinRequest {
+    /// What the signature covers: the domain, then every other field.
+    pub fn signed_bytes(&self) -> Vec<u8> {
+        let mut m = REQUEST_DOMAIN.to_vec();
+        m.extend_from_slice(&self.group.0);
+        m.extend_from_slice(&self.device.0);
+        m.extend_from_slice(&self.nonce);
+        m.extend_from_slice(&self.hpke_public);
+        m
+    }
+
+    /// Whether `device` signed it.
+    pub fn verify(&self) -> bool {
+        verify_by(&self.device, &self.signed_bytes(), &self.signature)
+    }
+}
+
+/// A member's answer: a [`Grant`] HPKE-sealed to the request's key, with
+/// the group id and the nonce as additional data.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RejoinAnswer {
+    /// The group.
+    pub group: GroupId,
+    /// The request's nonce.
+    pub nonce: [u8; 16],
+    /// The requester.
+    pub to: DeviceId,
+    /// The answering member (what it claims: the GroupInfo's own signature
+    /// is what the requester trusts).
+    pub from: DeviceId,
+    /// HPKE encapsulated key.
+    #[serde(with = "serde_bytes")]
+    pub kem_output: Vec<u8>,
+    /// HPKE ciphertext of the postcard [`Grant`].
+    #[serde(with = "serde_bytes")]
+    pub ciphertext: Vec<u8>,
+}
+
+/// A member does not see the requester in its tree (it was removed).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RejoinRefusal {
+    /// The group.
+    pub group: GroupId,
+    /// The request's nonce.
+    pub nonce: [u8; 16],
+    /// The requester.
+    pub to: DeviceId,
+    /// The refusing member.
+    pub from: DeviceId,
+    /// ed25519 by `from` over [`RejoinRefusal::signed_bytes`].
+    #[serde(with = "serde_bytes")]
+    pub signature: Vec<u8>,
+}
+
+impl RejoinRefusal {
+    /// What the signature covers: the domain, then group, nonce and `to`.
+    pub fn signed_bytes(&self) -> Vec<u8> {
+        let mut m = REFUSAL_DOMAIN.to_vec();
+        m.extend_from_slice(&self.group.0);
+        m.extend_from_slice(&self.nonce);
+        m.extend_from_slice(&self.to.0);
+        m
+    }
+}
+
+/// What an answer seals: everything the requester needs to commit into
+/// the member's current epoch.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Grant {
+    /// An MLSMessage carrying the GroupInfo of the member's current epoch,
+    /// with the ratchet tree and external public key extensions.
+    #[serde(with = "serde_bytes")]
+    pub group_info: Vec<u8>,
+    /// The group's canonical commit hub.
+    pub commit_hub: String,
+    /// The seed of the commit log the next commit goes to (the writer
+    /// capability of that log, [`topics::commit_writer`]).
+    pub commit_seed: [u8; 32],
+    /// That log's head as the member read it (0: empty): the external
+    /// commit's compare-and-set.
+    pub head: u64,
+}
+
+/// What [`GroupPeerManager::rejoin_group`] did. Never an error for a
+/// remedy that did not work: that is an answer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RejoinResult {
+    /// The device is a member again, at `epoch`.
+    Recovered {
+        /// The group's epoch after the external commit.
+        epoch: u64,
+        /// The external commit's position on the commit log.
+        seq: u64,
+        /// The member whose GroupInfo it joined with.
+        answered_by: DeviceId,
+        /// The member whose answer in the new epoch confirmed the rejoin
+        /// was seen (`None`: nobody answered before the gather deadline;
+        /// the rejoin landed all the same).
+        confirmed_by: Option<DeviceId>,
+        /// This device's own ledger entries the group's ledger lacked,
+        /// issued again (once) and landed.
+        reenact: Vec<Entry>,
+        /// Own entries the group's ledger lacks that could not be issued
+        /// again, with why (an add or a removal that lost its fork cannot
+        /// be rebuilt; an entry its author may no longer write).
+        not_reenacted: Vec<(Entry, String)>,
+    },
+    /// Members say this device is not in the group: they see no leaf of
+    /// it (it was removed). Nothing changed on this device.
+    NotAMember {
+        /// The members that said so (each signed its refusal).
+        refused_by: Vec<DeviceId>,
+    },
+    /// No usable answer before the deadline; nothing changed on this
+    /// device (also reported as `Event::RecoveryFailed`).
+    RecoveryFailed {
+        /// Why.
+        reason: String,
+    },
+}
+
+/// What reaches a waiting requester.
+pub(super) enum Incoming {
+    Answer(RejoinAnswer),
+    Refusal(DeviceId),
+}
+
+/// Why one external commit attempt did not land.
+enum JoinFailure {
+    /// Another commit took the epoch, or the hub's answer never came: the
+    /// old state stays; ask again.
+    Retry(String),
+    /// The grant is unusable (does not parse, another group, MLS refused).
+    Refused(String),
+    /// This device failed.
+    Device(DeviceError),
+}
+
+impl From<DeviceError> for JoinFailure {
+    fn from(e: DeviceError) -> Self {
+        JoinFailure::Device(e)
+    }
+}
+
+impl From<crate::kv::KvError> for JoinFailure {
+    fn from(e: crate::kv::KvError) -> Self {
+        JoinFailure::Device(DeviceError::Store(e.to_string()))
+    }
+}
+
+impl From<crate::device::registry::RegistryError> for JoinFailure {
+    fn from(e: crate::device::registry::RegistryError) -> Self {
+        JoinFailure::Device(e.into())
+    }
+}
+
+fn verify_by(device: &DeviceId, message: &[u8], signature: &[u8]) -> bool {
+    let Ok(key) = ed25519_dalek::VerifyingKey::from_bytes(&device.0) else {
+        return false;
+    };
+    let Ok(sig) = ed25519_dalek::Signature::from_slice(signature) else {
+        return false;
+    };
+    key.verify_strict(message, &sig).is_ok()
+}
+
+fn grant_aad(group: &GroupId, nonce: &[u8; 16]) -> Vec<u8> {
+    let mut aad = group.0.to_vec();
+    aad.extend_from_slice(nonce);
+    aad
+}
+
+fn mls_err(e: impl std::fmt::Debug) -> String {
+    format!("{e:?}")
+}
+
+impl GroupPeerManager {
+    /// Rejoin `group` by external commit through a member's GroupInfo
+    /// (the module docs say how), then gather the ledger and issue again
+    /// this device's own entries the group lacks. Gives up at
+    /// `ManagerConfig::rejoin_deadline`.
+    ///
+    /// Use it when commits answer `RecoveryRequired` and a ledger gather
+    /// did not help; [`commit_with_recovery`](Self::commit_with_recovery)
+    /// calls it for you.
+    ///
+    /// # Errors
+    /// `UnknownGroup`, or this device's store or MLS failing. No answer, or
+    /// members refusing, is an answer ([`RejoinResult`]), not an error.
+    pub async fn rejoin_group(&self, group: GroupId) -> Result<RejoinResult, DeviceError> {
+        let rec = self.record(group)?;
+        let before = self.ledger_entries(group)?;
+        let joined = {
+            // One commit run at a time in the group: the rejoin is one.
+            let lane = self.lane_lock(group);
+            let _running = lane.lock().await;
+            self.ask_and_join(group).await?
+        };
+        let (answered_by, epoch, seq) = match joined {
+            Ok(j) => j,
+            Err(refused) if !refused.is_empty() => {
+                let reason = format!("members say this device is not in the group: {refused:?}");
+                self.emit(Event::RecoveryFailed {
+                    group,
+                    remedy: super::Remedy::Rejoin,
+                    reason,
+                });
+                return Ok(RejoinResult::NotAMember {
+                    refused_by: refused.into_iter().collect(),
+                });
+            }
+            Err(_) => {
+                let reason = "no member answered before the deadline".to_string();
+                self.emit(Event::RecoveryFailed {
+                    group,
+                    remedy: super::Remedy::Rejoin,
+                    reason: reason.clone(),
+                });
+                return Ok(RejoinResult::RecoveryFailed { reason });
+            }
+        };
+        tracing::info!(%group, epoch, seq, member = %answered_by, "rejoined by external commit");
+        self.emit(Event::Rejoined { group, epoch });
+        // Ask for the ledger in the new epoch: an answer is a member that
+        // read us there, and completes a ledger that fell behind.
+        let summary = self
+            .gather(group, self.shared.config.gather_deadline, true)
+            .await?;
+        let confirmed_by = summary
+            .installed_from
+            .or_else(|| summary.answered.first().copied());
+        let (reenact, not_reenacted) = self.reenact(group, &rec, before).await?;
+        Ok(RejoinResult::Recovered {
+            epoch,
+            seq,
+            answered_by,
+            confirmed_by,
+            reenact,
+            not_reenacted,
+        })
+    }
+
+    /// Ask on the rendezvous mailbox until an answer's external commit
+    /// lands or the deadline passes. Answers (who answered, epoch, seq),
+    /// or the members that refused (empty: nobody answered).
+    async fn ask_and_join(
+        &self,
+        group: GroupId,
+    ) -> Result<Result<(DeviceId, u64, u64), BTreeSet<DeviceId>>, DeviceError> {
+        let rec = self.record(group)?;
+        let Some(seed) = rec.rendezvous_seed else {
+            return Ok(Err(BTreeSet::new()));
+        };
+        let rendezvous = topics::rendezvous_topic(&seed);
+        let crypto = self.shared.registry.provider().crypto();
+        let mut ikm = [0u8; 32];
+        self.shared.rng.fill(&mut ikm);
+        let keys = crypto
+            .derive_hpke_keypair(mls::CIPHERSUITE.hpke_config(), &ikm)
+            .map_err(|e| DeviceError::Mls(format!("HPKE key pair: {e:?}")))?;
+        let mut nonce = [0u8; 16];
+        self.shared.rng.fill(&mut nonce);
+        let me = &self.shared.identity;
+        let mut request = RejoinRequest {
+            group,
+            device: me.id(),
+            nonce,
+            hpke_public: keys.public.clone(),
+            signature: Vec::new(),
+        };
+        request.signature = me.sign(&request.signed_bytes()).to_bytes().to_vec();
+        let frame = postcard::to_allocvec(&RendezvousFrame::Request(request))
+            .map_err(|e| DeviceError::Mls(e.to_string()))?;
+        let (tx, mut rx) = mpsc::channel(INCOMING_QUEUE);
+        lock(&self.shared.rejoins).insert((group, nonce), tx);
+        let deadline = Instant::now() + self.shared.config.rejoin_deadline;
+        let mut refused = BTreeSet::new();
+        let mut next_ask = Instant::now();
+        let outcome = loop {
+            let now = Instant::now();
+            if now >= deadline {
+                break Ok(Err(refused));
+            }
+            if now >= next_ask {
+                next_ask = now + ASK_INTERVAL;
+                let rec = self.record(group)?;
+                for hub in rec.routes() {
+                    if hub == super::lane::LOOPBACK_HUB {
+                        continue;
+                    }
+                    // A hub that is down is asked again at the next round.
+                    if let Err(e) = self.post_rendezvous(&hub, &rendezvous, &frame).await {
+                        tracing::debug!(%group, hub, error = %e, "rejoin request not posted");
+                    }
+                }
+            }
+            let got = match tokio::time::timeout_at(next_ask.min(deadline), rx.recv()).await {
+                Err(_) => continue,
+                Ok(None) => break Ok(Err(refused)),
+                Ok(Some(got)) => got,
+            };
+            let a = match got {
+                Incoming::Refusal(from) => {
+                    refused.insert(from);
+                    continue;
+                }
+                Incoming::Answer(a) => a,
+            };
+            let input = HpkeCiphertext {
+                kem_output: a.kem_output.into(),
+                ciphertext: a.ciphertext.into(),
+            };
+            let grant = crypto
+                .hpke_open(
+                    mls::CIPHERSUITE.hpke_config(),
+                    &input,
+                    keys.private.as_ref(),
+                    GRANT_INFO,
+                    &grant_aad(&group, &nonce),
+                )
+                .map_err(mls_err)
+                .and_then(|plain| postcard::from_bytes::<Grant>(&plain).map_err(mls_err));
+            let grant = match grant {
+                Ok(g) => g,
+                Err(e) => {
+                    tracing::warn!(%group, from = %a.from, error = %e, "a rejoin answer does not open");
+                    continue;
+                }
+            };
+            match self.join_external(group, seed, &grant).await {
+                Ok((epoch, seq)) => break Ok(Ok((a.from, epoch, seq))),
+                Err(JoinFailure::Retry(why)) => {
+                    tracing::info!(%group, why, "the external commit did not land; asking again");
+                    next_ask = Instant::now();
+                }
+                Err(JoinFailure::Refused(why)) => {
+                    tracing::warn!(%group, from = %a.from, why, "a rejoin answer was refused");
+                }
+                Err(JoinFailure::Device(e)) => break Err(e),
+            }
+        };
+        lock(&self.shared.rejoins).remove(&(group, nonce));
+        outcome
+    }
+
+    /// Post `frame` on the rendezvous mailbox at `hub`.
+    async fn post_rendezvous(
+        &self,
+        hub: &str,
+        topic: &TopicId,
+        frame: &[u8],
+    ) -> Result<(), crate::device::link::LinkError> {
+        let publish = Publish {
+            topic: topic.clone(),
+            publish_id: publish_id(&digest(frame), topic),
+            class: RetentionClass::Mailbox,
+            expected_head: ExpectedHead::Unconditional,
+            replay_only: false,
+            retention_secs: Some(RENDEZVOUS_RETENTION_SECS),
+            payload: frame.to_vec(),
+            writer: None,
+        };
+        self.hub_link(hub).publish(publish).await.map(|_| ())
+    }
+
+    /// Join by external commit with `grant`, replacing this device's state
+    /// of the group only once the hub accepted the commit. Holds the group
+    /// lock across the publish: the group is unusable until it is rejoined
+    /// anyway, and the old state must not change under the attempt.
+    async fn join_external(
+        &self,
+        group: GroupId,
+        seed: [u8; 32],
+        grant: &Grant,
+    ) -> Result<(u64, u64), JoinFailure> {
+        let message = MlsMessageIn::tls_deserialize_exact(grant.group_info.as_slice())
+            .map_err(|e| JoinFailure::Refused(format!("GroupInfo: {e}")))?;
+        let vgi = match message.extract() {
+            MlsMessageBodyIn::GroupInfo(vgi) => vgi,
+            _ => return Err(JoinFailure::Refused("not a GroupInfo".into())),
+        };
+        if vgi.group_id().as_slice() != group.0 {
+            return Err(JoinFailure::Refused("a GroupInfo of another group".into()));
+        }
+        let me = &self.shared.identity;
+        let mut guard = self.shared.registry.lock(group).await;
+        let mut rec = self.record(group)?;
+        let stale_journal = self.shared.records.journal(&group)?;
+        // Everything below is staged: nothing replaces the old state until
+        // the hub accepted the commit.
+        guard.discard();
+        if guard.exists()? {
+            guard
+                .with(|g, p| {
+                    let _ = g.delete(p.storage());
+                    p.storage().purge_group(&group.to_mls())
+                })?
+                .map_err(|e| DeviceError::Store(e.to_string()))?;
+        }
+        let built = {
+            let p = guard.provider();
+            MlsGroup::external_commit_builder()
+                .with_config(mls::join_config())
+                .build_group(p, vgi, me.credential_with_key())
+                .map_err(mls_err)
+                .and_then(|b| {
+                    b.leaf_node_parameters(
+                        LeafNodeParameters::builder()
+                            .with_capabilities(mls::capabilities())
+                            .build(),
+                    )
+                    .load_psks(p.storage())
+                    .map_err(mls_err)
+                })
+                .and_then(|b| {
+                    b.build(p.rand(), p.crypto(), me.signature_key_pair(), |_| true)
+                        .map_err(mls_err)
+                })
+                .and_then(|b| b.finalize(p).map_err(mls_err))
+        };
+        let (joined, bundle) = match built {
+            Ok(j) => j,
+            Err(e) => {
+                guard.discard();
+                return Err(JoinFailure::Refused(format!("MLS: {e}")));
+            }
+        };
+        let ext = match GroupExt::from_extensions(joined.extensions()) {
+            Ok(Some(ext)) if ext.topic_seed == seed => ext,
+            _ => {
+                guard.discard();
+                return Err(JoinFailure::Refused(
+                    "the GroupInfo's group has another topic seed".into(),
+                ));
+            }
+        };
+        let epoch = joined.epoch().as_u64();
+        let payload = match bundle.commit().tls_serialize_detached() {
+            Ok(b) => b,
+            Err(e) => {
+                guard.discard();
+                return Err(JoinFailure::Refused(format!("encoding the commit: {e}")));
+            }
+        };
+        guard.install(joined);
+        let (app, commit_seed) = self.roster_secrets(&mut guard)?;
+        let writer = topics::commit_writer(&grant.commit_seed);
+        let mut publish = Publish {
+            topic: writer.topic().clone(),
+            publish_id: publish_id(&digest(&payload), writer.topic()),
+            class: RetentionClass::Log,
+            expected_head: match grant.head {
+                0 => ExpectedHead::Empty,
+                h => ExpectedHead::Seq(h),
+            },
+            replay_only: false,
+            retention_secs: None,
+            payload: payload.clone(),
+            writer: None,
+        };
+        writer.sign(&mut publish);
+        let seq = match self.hub_link(&grant.commit_hub).publish(publish).await {
+            Ok(PublishOutcome::Accepted { seq, .. } | PublishOutcome::Duplicate { seq }) => seq,
+            Ok(other) => {
+                guard.discard();
+                return Err(JoinFailure::Retry(format!("{other:?}")));
+            }
+            Err(e) => {
+                // The outcome may be unknown: had the hub taken it, the
+                // group holds a leaf of ours whose keys are gone, and the
+                // next external commit removes it like the old one.
+                guard.discard();
+                return Err(JoinFailure::Retry(e.to_string()));
+            }
+        };
+        // Accepted: the new state, and a record that starts over on the
+        // log the commit moved the group to.
+        rec.stranded = false;
+        rec.rendezvous_seed = Some(seed);
+        rec.commit_hub = grant.commit_hub.clone();
+        rec.merged.clear();
+        rec.remember(MergedCommit {
+            epoch: epoch.saturating_sub(1),
+            digest: digest(&payload),
+            hub: grant.commit_hub.clone(),
+            seq: Some(seq),
+            payload,
+            commit_seed: Some(grant.commit_seed),
+            welcomes: Vec::new(),
+        });
+        rec.commit_seed = grant.commit_seed;
+        rec.rotate_commit_seed(commit_seed);
+        rec.rotate_app_topic(app);
+        let entries = self.ledger_entries(group)?;
+        match LedgerState::fold_to(group, &entries, &ext.ledger_head) {
+            Ok(state) => {
+                rec.ledger_complete = true;
+                self.follow_ledger(&mut rec, &state, &[]);
+            }
+            Err(_) => rec.ledger_complete = false,
+        }
+        let mut b = WriteBatch::new();
+        self.shared.records.put_group(&mut b, &rec);
+        self.shared.records.clear_journal(&mut b, &group);
+        guard.finish(b)?;
+        let members = self.members_of(&mut guard)?;
+        drop(guard);
+        if let Some(j) = stale_journal {
+            // Built on the state the rejoin replaced: it can never land.
+            self.report_lost(group, &j);
+        }
+        self.sync_peers(&rec);
+        self.emit(Event::EpochChanged { group, epoch });
+        self.emit(Event::MembersChanged { group, members });
+        Ok((epoch, seq))
+    }
+
+    /// Issue again, once, this device's own entries of `before` (its
+    /// ledger before the rejoin) that the group's ledger lacks now.
+    async fn reenact(
+        &self,
+        group: GroupId,
+        old: &super::records::GroupRecord,
+        before: Vec<Entry>,
+    ) -> Result<(Vec<Entry>, Vec<(Entry, String)>), DeviceError> {
+        let me = self.shared.identity.id();
+        let rec = self.record(group)?;
+        let mine = before.into_iter().filter(|e| e.author == me);
+        if !rec.ledger_complete {
+            let why = "the group's ledger could not be gathered".to_string();
+            return Ok((Vec::new(), mine.map(|e| (e, why.clone())).collect()));
+        }
+        let now = self.ledger_state(&rec)?;
+        let mut issue = Vec::new();
+        let mut not = Vec::new();
+        for e in mine.filter(|e| !now.contains(&e.id())) {
+            match e.kind {
+                EntryType::MemberInvite | EntryType::MemberRemove => not.push((
+                    e,
+                    "an add or a removal is enacted with its commit; it cannot be issued alone"
+                        .to_string(),
+                )),
+                _ => issue.push(e),
+            }
+        }
+        if issue.is_empty() {
+            return Ok((Vec::new(), not));
+        }
+        tracing::info!(group = %old.id, count = issue.len(), "issuing again own ledger entries the group lacks");
+        let mut landed = Vec::new();
+        // All at once; if the ledger refuses the set, one by one, so one
+        // entry its author may no longer write does not hold up the rest.
+        let batches: Vec<Vec<Entry>> = match self.issue_again(group, issue.clone()).await {
+            Ok(()) => {
+                return Ok((issue, not));
+            }
+            Err(super::lane::CommitError::Ledger(_)) => {
+                issue.into_iter().map(|e| vec![e]).collect()
+            }
+            Err(e) => {
+                let why = e.to_string();
+                not.extend(issue.into_iter().map(|x| (x, why.clone())));
+                return Ok((landed, not));
+            }
+        };
+        for one in batches {
+            match self.issue_again(group, one.clone()).await {
+                Ok(()) => landed.extend(one),
+                Err(e) => {
+                    let why = e.to_string();
+                    not.extend(one.into_iter().map(|x| (x, why.clone())));
+                }
+            }
+        }
+        Ok((landed, not))
+    }
+
+    /// Commit `entries` as the one re-drive of entries lost with a fork.
+    async fn issue_again(
+        &self,
+        group: GroupId,
+        entries: Vec<Entry>,
+    ) -> Result<(), super::lane::CommitError> {
+        let mut op = [0u8; 16];
+        self.shared.rng.fill(&mut op);
+        self.run_lane(group, Some(super::lane::Plan::redrive(entries, op)))
+            .await
+            .map(|_| ())
+    }
+
+    /// A frame arrived on `group`'s rendezvous mailbox at `hub`.
+    pub(super) fn on_rendezvous(&self, group: GroupId, hub: &str, payload: &[u8]) {
+        let me = self.shared.identity.id();
+        let frame = match postcard::from_bytes::<RendezvousFrame>(payload) {
+            Ok(f) => f,
+            Err(_) => {
+                self.shared.counters.dropped.fetch_add(1, Ordering::Relaxed);
+                return;
+            }
+        };
+        match frame {
+            RendezvousFrame::Request(r) => {
+                if r.group != group || r.device == me || !r.verify() {
+                    self.shared.counters.dropped.fetch_add(1, Ordering::Relaxed);
+                    return;
+                }
+                let token = CancellationToken::new();
+                lock(&self.shared.answering).insert((group, r.nonce), token.clone());
+                let hub = hub.to_string();
+                let who = r.device;
+                self.handle_request(group, who, "rejoin request", move |this| async move {
+                    let nonce = r.nonce;
+                    let result = this.answer_rejoin(group, &hub, r, token).await;
+                    lock(&this.shared.answering).remove(&(group, nonce));
+                    result
+                });
+            }
+            RendezvousFrame::Answer(a) => {
+                if a.group != group {
+                    return;
+                }
+                // Another member answered: ours is not needed.
+                if let Some(t) = lock(&self.shared.answering).get(&(group, a.nonce)) {
+                    t.cancel();
+                }
+                if a.to == me {
+                    if let Some(tx) = lock(&self.shared.rejoins).get(&(group, a.nonce)) {
+                        let _ = tx.try_send(Incoming::Answer(a));
+                    }
+                }
+            }
+            RendezvousFrame::Refusal(f) => {
+                if f.group != group {
+                    return;
+                }
+                if let Some(t) = lock(&self.shared.answering).get(&(group, f.nonce)) {
+                    t.cancel();
+                }
+                if f.to == me && verify_by(&f.from, &f.signed_bytes(), &f.signature) {
+                    if let Some(tx) = lock(&self.shared.rejoins).get(&(group, f.nonce)) {
+                        let _ = tx.try_send(Incoming::Refusal(f.from));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Answer `r` after a random wait unless another member answered
+    /// first: a sealed GroupInfo if the requester is in our tree, a signed
+    /// refusal if not. A member that is itself left behind stays silent.
+    async fn answer_rejoin(
+        &self,
+        group: GroupId,
+        hub: &str,
+        r: RejoinRequest,
+        cancel: CancellationToken,
+    ) -> Result<(), DeviceError> {
+        let jitter = self.shared.rng.next_u64() % (ANSWER_JITTER_MS + 1);
+        tokio::select! {
+            _ = cancel.cancelled() => return Ok(()),
+            _ = tokio::time::sleep(Duration::from_millis(jitter)) => {}
+        }
+        // Answer from the log's end, so the head we name is current.
+        if let Err(e) = self.pull(group).await {
+            tracing::debug!(%group, error = %e, "pull before a rejoin answer failed");
+        }
+        let me = &self.shared.identity;
+        let crypto = self.shared.registry.provider().crypto();
+        let mut guard = self.shared.registry.lock(group).await;
+        let rec = self.record(group)?;
+        if rec.stranded || cancel.is_cancelled() {
+            return Ok(());
+        }
+        let frame = if self.member_set(&mut guard)?.contains(&r.device) {
+            let info = guard
+                .read(|g| g.export_group_info(crypto, me.signature_key_pair(), true))?
+                .map_err(|e| DeviceError::Mls(e.to_string()))?
+                .tls_serialize_detached()
+                .map_err(|e| DeviceError::Mls(e.to_string()))?;
+            let grant = Grant {
+                group_info: info,
+                commit_hub: rec.commit_hub.clone(),
+                commit_seed: rec.commit_seed,
+                head: rec.cursor(),
+            };
+            drop(guard);
+            let plain =
+                postcard::to_allocvec(&grant).map_err(|e| DeviceError::Mls(e.to_string()))?;
+            let sealed = crypto
+                .hpke_seal(
+                    mls::CIPHERSUITE.hpke_config(),
+                    &r.hpke_public,
+                    GRANT_INFO,
+                    &grant_aad(&group, &r.nonce),
+                    &plain,
+                )
+                .map_err(|e| DeviceError::Mls(format!("HPKE seal: {e:?}")))?;
+            RendezvousFrame::Answer(RejoinAnswer {
+                group,
+                nonce: r.nonce,
+                to: r.device,
+                from: me.id(),
+                kem_output: sealed.kem_output.as_slice().to_vec(),
+                ciphertext: sealed.ciphertext.as_slice().to_vec(),
+            })
+        } else {
+            drop(guard);
+            let mut f = RejoinRefusal {
+                group,
+                nonce: r.nonce,
+                to: r.device,
+                from: me.id(),
+                signature: Vec::new(),
+            };
+            f.signature = me.sign(&f.signed_bytes()).to_bytes().to_vec();
+            RendezvousFrame::Refusal(f)
+        };
+        if cancel.is_cancelled() {
+            return Ok(());
+        }
+        let Some(seed) = rec.rendezvous_seed else {
+            return Ok(());
+        };
+        let bytes = postcard::to_allocvec(&frame).map_err(|e| DeviceError::Mls(e.to_string()))?;
+        self.post_rendezvous(hub, &topics::rendezvous_topic(&seed), &bytes)
+            .await
+            .map_err(|e| DeviceError::Hub {
+                url: hub.to_string(),
+                reason: format!("posting the rejoin answer: {e}"),
+            })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ed25519_dalek::{Signer as _, SigningKey};
+
+    #[test]
+    fn a_request_verifies_only_as_signed_by_the_device_it_names() {
+        let k = SigningKey::from_bytes(&[3; 32]);
+        let other = SigningKey::from_bytes(&[4; 32]);
+        let mut r = RejoinRequest {
+            group: GroupId([1; 32]),
+            device: DeviceId(k.verifying_key().to_bytes()),
+            nonce: [2; 16],
+            hpke_public: vec![9; 32],
+            signature: Vec::new(),
+        };
+        r.signature = k.sign(&r.signed_bytes()).to_bytes().to_vec();
+        assert!(r.verify());
+        // Another key, a changed field, a truncated signature.
+        let mut forged = r.clone();
+        forged.signature = other.sign(&r.signed_bytes()).to_bytes().to_vec();
+        assert!(!forged.verify());
+        let mut moved = r.clone();
+        moved.group = GroupId([5; 32]);
+        assert!(!moved.verify());
+        let mut rekeyed = r.clone();
+        rekeyed.hpke_public[0] ^= 1;
+        assert!(!rekeyed.verify());
+        let mut short = r.clone();
+        short.signature.pop();
+        assert!(!short.verify());
+        // Round trip through the wire form.
+        let bytes = postcard::to_allocvec(&RendezvousFrame::Request(r.clone())).unwrap();
+        assert_eq!(
+            postcard::from_bytes::<RendezvousFrame>(&bytes).unwrap(),
+            RendezvousFrame::Request(r)
+        );
+    }
+}
