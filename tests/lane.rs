@@ -1886,7 +1886,11 @@ async fn a_member_offline_past_the_logs_depth_rejoins_and_gathers_its_ledger() {
     let u = vec![hub.url().to_string()];
     let a = TestDevice::open(&u).await.unwrap();
     let b = TestDevice::open(&u).await.unwrap();
-    let mut c = TestDevice::open(&u).await.unwrap();
+    // The app's commit heals it here (the background rejoin has a test of
+    // its own).
+    let mut oc = device_options(&u);
+    oc.manager.auto_rejoin = false;
+    let mut c = TestDevice::open_with(oc).await.unwrap();
     let wb = Watch::new(&b);
     let wc = Watch::new(&c);
     let g = group_of(&a, &[(&b, &wb)], &u).await;
@@ -1957,6 +1961,54 @@ async fn a_member_offline_past_the_logs_depth_rejoins_and_gathers_its_ledger() {
     agree(&[&a, &b, &c], g).await;
 }
 
+/// A member that only reads heals on its own: offline while the hub
+/// trimmed the commit log past its cursor, it comes back stranded, rejoins
+/// in the background (no commit, no remedy called by the app), and reads
+/// and sends again; the members see one leaf of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stranded_member_that_only_reads_rejoins_on_its_own() {
+    let hub = TestHub::start_with(|c| {
+        unthrottled(c);
+        c.limits.max_log_depth = 3;
+    })
+    .await
+    .unwrap();
+    let u = vec![hub.url().to_string()];
+    let a = TestDevice::open(&u).await.unwrap();
+    let mut c = TestDevice::open(&u).await.unwrap();
+    let wc = Watch::new(&c);
+    let g = group_of(&a, &[(&c, &wc)], &u).await;
+    let (e, _) = agree(&[&a, &c], g).await;
+
+    c.close().await;
+    for _ in 0..5 {
+        a.rotate_keys(g).await.unwrap();
+    }
+    c.reopen().await.unwrap();
+    let wc = Watch::new(&c);
+    wc.until(
+        "rejoined",
+        |ev| matches!(ev, Event::Rejoined { group, .. } if *group == g),
+    )
+    .await;
+    assert!(
+        first_at(&wc, |ev| matches!(ev, Event::Stranded { .. }))
+            < first_at(&wc, |ev| matches!(ev, Event::Rejoined { .. })),
+        "stranded first: {:?}",
+        wc.snapshot()
+    );
+    let (e2, _) = agree(&[&a, &c], g).await;
+    assert_eq!(e2, e + 6, "five rotations, then the external commit");
+    assert!(!c.manager().record(g).unwrap().stranded);
+    let mut want = vec![a.id(), c.id()];
+    want.sort();
+    assert_eq!(a.members(g).await.unwrap(), want, "c has one leaf");
+    let wa = Watch::new(&a);
+    message_reaches(&a, &[&wc], g, b"you are back").await;
+    message_reaches(&c, &[&wa], g, b"I am back").await;
+    assert_eq!(c.stats().commits, 0, "c committed nothing of its own");
+}
+
 /// `invite` `c` into `g` with a Welcome whose ledger is short.
 async fn group_with_incomplete_member_in(a: &TestDevice, g: GroupId, c: &TestDevice, wc: &Watch) {
     a.manager()
@@ -1986,7 +2038,10 @@ async fn the_loser_of_a_fork_rejoins_and_its_lost_entry_is_issued_again_once() {
     let hub = hub_at(dir.path(), "127.0.0.1:0").await;
     let addr = hub.addr().to_string();
     let u = vec![hub.url().to_string()];
-    let mut a = TestDevice::open(&u).await.unwrap();
+    // a's commit heals it, so its result shows what was issued again.
+    let mut oa = device_options(&u);
+    oa.manager.auto_rejoin = false;
+    let mut a = TestDevice::open_with(oa).await.unwrap();
     let mut b = TestDevice::open(&u).await.unwrap();
     let wb = Watch::new(&b);
     let g = group_of(&a, &[(&b, &wb)], &u).await;
@@ -2030,7 +2085,7 @@ async fn the_loser_of_a_fork_rejoins_and_its_lost_entry_is_issued_again_once() {
 }
 
 /// With every other member offline, a rejoin gives up at its deadline and
-/// says so (an answer, not an error); a device removed from the group (it
+/// says so (an answer, not an error); a member in step has nothing to heal; a device removed from the group (it
 /// never read its removal) gets refusals from the members and no GroupInfo,
 /// and nothing of the group changes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -2043,8 +2098,10 @@ async fn a_rejoin_with_nobody_to_answer_fails_and_a_removed_device_gets_no_group
     let mut b = TestDevice::open_with(ob).await.unwrap();
     let mut c = TestDevice::open(&u).await.unwrap();
     let (wb, wc) = (Watch::new(&b), Watch::new(&c));
-    let g = group_of(&a, &[(&b, &wb), (&c, &wc)], &u).await;
-    agree(&[&a, &b, &c], g).await;
+    // b's ledger is short, so a rejoin has work to do.
+    let g = group_with_incomplete_member(&a, &[(&c, &wc)], &b, &wb, &u).await;
+    let (e, _) = agree(&[&a, &c], g).await;
+    wait_epoch(&b, g, e).await;
 
     // Nobody online but b.
     a.close().await;
@@ -2069,8 +2126,14 @@ async fn a_rejoin_with_nobody_to_answer_fails_and_a_removed_device_gets_no_group
     let b = TestDevice::open_with(ob).await.unwrap();
     let c = TestDevice::open(&u).await.unwrap();
     let (wb, wc) = (Watch::new(&b), Watch::new(&c));
-    let g = group_of(&a, &[(&b, &wb), (&c, &wc)], &u).await;
-    agree(&[&a, &b, &c], g).await;
+    let g = group_with_incomplete_member(&a, &[(&c, &wc)], &b, &wb, &u).await;
+    let (e0, _) = agree(&[&a, &c], g).await;
+    wait_epoch(&b, g, e0).await;
+    assert_eq!(
+        c.rejoin_group(g).await.unwrap(),
+        hubsync::device::RejoinResult::NotNeeded,
+        "a member in step with its group has nothing to heal"
+    );
     b.manager().faults().no_pull.store(true, SeqCst);
     a.remove(g, b.id()).await.unwrap();
     let (e, auth) = agree(&[&a, &c], g).await;

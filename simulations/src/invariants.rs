@@ -208,6 +208,9 @@ pub fn event_line(e: &Event) -> String {
             format!("recovery-failed {} {remedy:?}", &group.to_string()[..8])
         }
         Event::Forgotten { group } => format!("forgotten {}", &group.to_string()[..8]),
+        Event::AppFramesMissed { group, hub, missed } => {
+            format!("app-frames-missed {} {hub} {missed}", &group.to_string()[..8])
+        }
         Event::LedgerGathered { group, entries, .. } => {
             format!("ledger-gathered {} {entries}", &group.to_string()[..8])
         }
@@ -256,6 +259,22 @@ pub struct History {
     pub rewinds: Vec<Rewind>,
     /// Every hub each group was bound to at some point (or asked to be).
     pub hubs: BTreeMap<GroupId, BTreeSet<String>>,
+    /// Long device outages (the `outages` fault).
+    pub outages: Vec<Outage>,
+    /// Whether hubs kept their logs short (the `outages` fault), so that
+    /// any device away for a few steps may find them trimmed.
+    pub short_logs: bool,
+}
+
+/// A device down for a long while, with the hubs' logs kept short.
+#[derive(Clone, Debug)]
+pub struct Outage {
+    /// The device.
+    pub device: DeviceId,
+    /// Simulated ms when it went down.
+    pub start_ms: u64,
+    /// Simulated ms when it came back.
+    pub end_ms: u64,
 }
 
 /// What [`check`] excused because a rewind may have erased it.
@@ -429,9 +448,10 @@ pub fn check(
     }
 
     // A device strands only when a hub lost commits it had accepted (a
-    // rewind): with none, a stranding is a fork the compare-and-set should
-    // have prevented, even if a rejoin healed it afterwards.
-    if history.rewinds.is_empty() {
+    // rewind) or trimmed them before it read them (short logs): with
+    // neither, a stranding is a fork the compare-and-set should have
+    // prevented, even if a rejoin healed it afterwards.
+    if history.rewinds.is_empty() && !history.short_logs {
         let mut stranded: BTreeMap<GroupId, BTreeSet<DeviceId>> = BTreeMap::new();
         for (_, dev, e) in events {
             if let (Event::Stranded { group }, Some(d)) = (e, ids.get(dev)) {
@@ -453,6 +473,8 @@ pub fn check(
     let index: BTreeMap<DeviceId, usize> = ids.iter().map(|(i, d)| (*d, *i)).collect();
     let mut got: BTreeMap<(usize, GroupId, [u8; 16]), usize> = BTreeMap::new();
     let mut joined_at: BTreeMap<(usize, GroupId), u64> = BTreeMap::new();
+    // The latest epoch each device rejoined each group at.
+    let mut rejoined_at: BTreeMap<(usize, GroupId), u64> = BTreeMap::new();
     for (_, dev, e) in events {
         match e {
             Event::MessageReceived { group, id, .. } => {
@@ -460,6 +482,10 @@ pub fn check(
             }
             Event::GroupJoined { group, epoch } => {
                 joined_at.insert((*dev, *group), *epoch);
+            }
+            Event::Rejoined { group, epoch } => {
+                let e = rejoined_at.entry((*dev, *group)).or_default();
+                *e = (*e).max(*epoch);
             }
             _ => {}
         }
@@ -492,10 +518,22 @@ pub fn check(
             }
             if got.get(&(i, m.group, m.id)).copied().unwrap_or(0) == 0 {
                 let bound = history.hubs.get(&m.group).cloned().unwrap_or_default();
-                if history
-                    .rewinds
+                // A device that rejoined at a later epoch never had the
+                // keys of the epochs it was left behind in; one away past
+                // the logs' depth may have found the message trimmed.
+                let rejoined_past = rejoined_at
+                    .get(&(i, m.group))
+                    .is_some_and(|e| *e > m.epoch);
+                let away = history
+                    .outages
                     .iter()
-                    .any(|r| r.erases_message(&bound, m.at_ms))
+                    .any(|o| o.device == *d && m.at_ms <= o.end_ms);
+                if rejoined_past
+                    || away
+                    || history
+                        .rewinds
+                        .iter()
+                        .any(|r| r.erases_message(&bound, m.at_ms))
                 {
                     excused.deliveries += 1;
                     continue;

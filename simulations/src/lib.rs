@@ -20,7 +20,7 @@ use hubsync::hub::{Hub, HubConfig, Limits};
 use hubsync::kv::{KvStore, MemKv};
 use hubsync::rng::SharedRng;
 use hubsync::wire::DeviceId;
-use invariants::{Accepted, FinalGroup, FinalState, History, Rewind, Sent, Violation};
+use invariants::{Accepted, FinalGroup, FinalState, History, Outage, Rewind, Sent, Violation};
 use net::{SimConnector, SimListener};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha20Rng;
@@ -68,7 +68,17 @@ pub struct Faults {
     /// (garbage, replayed commit frames, frames claiming far-future epochs),
     /// and removed members keep publishing old commit frames.
     pub strangers: bool,
+    /// Long device outages: a device stays down for 8 to 15 workload steps
+    /// while the hubs keep only [`OUTAGE_LOG_DEPTH`] frames a log, so it
+    /// comes back past the logs' depth (stranded, it must rejoin; app
+    /// frames trimmed before it read them are reported, not delivered).
+    pub outages: bool,
 }
+
+/// Frames a hub keeps per log when `outages` are on (otherwise the hub's
+/// default), so that a device away for a while really finds its logs
+/// trimmed.
+pub const OUTAGE_LOG_DEPTH: u64 = 6;
 
 impl Faults {
     /// Every fault on.
@@ -80,6 +90,7 @@ impl Faults {
         drops: true,
         rewinds: true,
         strangers: true,
+        outages: true,
     };
     /// No fault.
     pub const NONE: Faults = Faults {
@@ -90,10 +101,11 @@ impl Faults {
         drops: false,
         rewinds: false,
         strangers: false,
+        outages: false,
     };
 
     /// Parse `all`, `none`, or a comma list of `partitions,hub-crashes,
-    /// device-crashes,latency,drops,rewinds,strangers`.
+    /// device-crashes,latency,drops,rewinds,strangers,outages`.
     ///
     /// # Errors
     /// The unknown name.
@@ -113,6 +125,7 @@ impl Faults {
                 "drops" => f.drops = true,
                 "rewinds" => f.rewinds = true,
                 "strangers" => f.strangers = true,
+                "outages" => f.outages = true,
                 other => return Err(format!("unknown fault {other:?}")),
             }
         }
@@ -133,6 +146,7 @@ impl Faults {
             (self.drops, "drops"),
             (self.rewinds, "rewinds"),
             (self.strangers, "strangers"),
+            (self.outages, "outages"),
         ] {
             if on {
                 v.push(name);
@@ -238,6 +252,8 @@ pub struct SeedReport {
     pub faults_injected: usize,
     /// Hub rewinds among them (to an older copy or an empty store).
     pub rewinds: usize,
+    /// Long device outages among them.
+    pub outages: usize,
     /// Frames strangers and removed members published on commit topics.
     pub stranger_frames: usize,
     /// Admin operations tried by non-admins and refused by the ledger.
@@ -442,6 +458,7 @@ pub fn run_seed(cfg: &SimConfig) -> SeedReport {
         let store = store.clone();
         let restarts = restarts.clone();
         let seed = cfg.seed;
+        let outages = cfg.faults.outages;
         sim.host(hub_name(i), move || {
             let store = store.clone();
             let n = next_incarnation(&restarts, &hub_name(i));
@@ -449,6 +466,9 @@ pub fn run_seed(cfg: &SimConfig) -> SeedReport {
                 let listener = turmoil::net::TcpListener::bind(("0.0.0.0", HUB_PORT)).await?;
                 let mut config = HubConfig::new(hub_url(i));
                 config.limits = Limits::unthrottled();
+                if outages {
+                    config.limits.max_log_depth = OUTAGE_LOG_DEPTH;
+                }
                 let kv: Arc<dyn KvStore> = Arc::new(store);
                 let hub = Hub::start(
                     kv,
@@ -607,6 +627,7 @@ pub fn run_seed(cfg: &SimConfig) -> SeedReport {
     };
     let ids = world.ids.lock().unwrap_or_else(|p| p.into_inner()).clone();
     let mut history = d.history;
+    history.short_logs = cfg.faults.outages;
     history.rewinds = world
         .rewinds
         .lock()
@@ -684,6 +705,7 @@ pub fn run_seed(cfg: &SimConfig) -> SeedReport {
         commits,
         faults_injected: faults_injected + d.faults,
         rewinds: history.rewinds.len(),
+        outages: history.outages.len(),
         stranger_frames: d.stranger_frames,
         refused: d.refused,
         excused: excused.commits + excused.deliveries,
@@ -1203,6 +1225,9 @@ async fn drive(cfg: SimConfig, devs: Vec<mpsc::Sender<Cmd>>, world: Arc<World>) 
     let mut removed: Vec<(usize, usize)> = Vec::new();
     let mut snapshotted: BTreeSet<usize> = BTreeSet::new();
     let mut crashed_devs: BTreeSet<usize> = BTreeSet::new();
+    // Devices in a long outage: the step they come back at, and since when
+    // they are down.
+    let mut held: BTreeMap<usize, (usize, u64)> = BTreeMap::new();
     let mut crashed_hubs: BTreeSet<usize> = BTreeSet::new();
     let mut partitions: Vec<(String, String)> = Vec::new();
     for step in 0..cfg.ops {
@@ -1223,9 +1248,37 @@ async fn drive(cfg: SimConfig, devs: Vec<mpsc::Sender<Cmd>>, world: Arc<World>) 
             }
         }
         if !crashed_devs.is_empty() && rng.gen_bool(0.3) {
-            let i = *crashed_devs.iter().next().unwrap_or(&0);
-            crashed_devs.remove(&i);
-            world.control(Control::RestartDevice(i));
+            if let Some(i) = crashed_devs.iter().copied().find(|i| !held.contains_key(i)) {
+                crashed_devs.remove(&i);
+                world.control(Control::RestartDevice(i));
+            }
+        }
+        if cfg.faults.outages {
+            if held.is_empty() && rng.gen_bool(0.05) {
+                let i = rng.gen_range(0..cfg.devices);
+                if crashed_devs.insert(i) {
+                    world.control(Control::CrashDevice(i));
+                    held.insert(i, (step + rng.gen_range(8..16), now_ms()));
+                    world.trace(format!("{} outage dev{i}", now_ms()));
+                }
+            }
+            let due: Vec<usize> = held
+                .iter()
+                .filter(|(_, (back, _))| *back <= step)
+                .map(|(i, _)| *i)
+                .collect();
+            for i in due {
+                if let Some((_, since)) = held.remove(&i) {
+                    crashed_devs.remove(&i);
+                    world.control(Control::RestartDevice(i));
+                    world.trace(format!("{} back dev{i}", now_ms()));
+                    out.history.outages.push(Outage {
+                        device: id_of(i),
+                        start_ms: since,
+                        end_ms: now_ms(),
+                    });
+                }
+            }
         }
         if cfg.faults.hub_crashes && rng.gen_bool(0.04) {
             let i = rng.gen_range(0..cfg.hubs);
@@ -1628,6 +1681,13 @@ async fn drive(cfg: SimConfig, devs: Vec<mpsc::Sender<Cmd>>, world: Arc<World>) 
     }
     for i in std::mem::take(&mut crashed_devs) {
         world.control(Control::RestartDevice(i));
+    }
+    for (i, (_, since)) in std::mem::take(&mut held) {
+        out.history.outages.push(Outage {
+            device: id_of(i),
+            start_ms: since,
+            end_ms: now_ms(),
+        });
     }
     for i in std::mem::take(&mut crashed_hubs) {
         world.control(Control::RestartHub(i));

@@ -103,6 +103,18 @@ pub enum Event {
         /// The group.
         group: GroupId,
     },
+    /// A hub trimmed `missed` frames of one of the group's app logs before
+    /// this device read them (it was away longer than the hub keeps): the
+    /// messages among them that no other hub of the group delivers are
+    /// lost to this device.
+    AppFramesMissed {
+        /// The group.
+        group: GroupId,
+        /// The hub.
+        hub: String,
+        /// How many frames.
+        missed: u64,
+    },
     /// The group's whole ledger was gathered from a member
     /// ([`request_ledger_catchup`]) and installed: it reproduced the
     /// group's authenticated ledger head.

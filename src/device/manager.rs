@@ -71,6 +71,12 @@ pub struct ManagerConfig {
     /// How long a rejoin (the deep remedy) keeps asking members for a
     /// GroupInfo and racing its external commit.
     pub rejoin_deadline: Duration,
+    /// Rejoin a group on its own, in the background, as soon as this
+    /// device finds itself stranded there (and again after a failed
+    /// attempt, waiting 5 s, then twice as long each time up to 5 min),
+    /// so a device that only reads heals too. Off: a stranded group waits
+    /// for a commit (`commit_with_recovery`) or the app's `rejoin_group`.
+    pub auto_rejoin: bool,
 }
 
 /// A synchronous event callback (see [`ManagerConfig::observer`]).
@@ -96,6 +102,7 @@ impl Default for ManagerConfig {
             inbox: InboxConfig::default(),
             gather_deadline: Duration::from_secs(10),
             rejoin_deadline: Duration::from_secs(30),
+            auto_rejoin: true,
         }
     }
 }
@@ -208,6 +215,8 @@ pub(super) struct Shared {
     /// Members' rejoin requests this device means to answer: cancelled when
     /// another member's answer to the same request is seen first.
     pub answering: Mutex<BTreeMap<RequestKey, CancellationToken>>,
+    /// Groups a background rejoin is healing now (one task per group).
+    pub healing: Mutex<std::collections::BTreeSet<GroupId>>,
     /// Members' control requests this device is handling now (at most
     /// [`super::control_msg::MAX_CONTROL_TASKS`]).
     pub control_tasks: AtomicU64,
@@ -379,6 +388,7 @@ impl GroupPeerManager {
                 gathers: Mutex::new(BTreeMap::new()),
                 rejoins: Mutex::new(BTreeMap::new()),
                 answering: Mutex::new(BTreeMap::new()),
+                healing: Mutex::new(std::collections::BTreeSet::new()),
                 control_tasks: AtomicU64::new(0),
                 records,
                 outbox,
@@ -420,6 +430,9 @@ impl GroupPeerManager {
         }
         for rec in self.shared.records.groups()? {
             self.add_group(rec.id).await?;
+            if rec.stranded {
+                self.heal_in_background(rec.id);
+            }
         }
         Ok(())
     }

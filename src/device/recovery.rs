@@ -78,6 +78,8 @@ impl GroupPeerManager {
         // `rejoin_group` reports its own failure.
         let reenact = match self.rejoin_group(group).await? {
             RejoinResult::Recovered { reenact, .. } => reenact,
+            // Healed meanwhile (a background rejoin): just retry.
+            RejoinResult::NotNeeded => Vec::new(),
             RejoinResult::NotAMember { .. } | RejoinResult::RecoveryFailed { .. } => {
                 return Err(original)
             }

@@ -75,6 +75,13 @@ pub const ANSWER_JITTER_MS: u64 = 250;
 /// How often the requester asks again while nothing it could use came.
 const ASK_INTERVAL: Duration = Duration::from_secs(2);
 
+/// The first wait before a background rejoin tries again after a failed
+/// one; it doubles each time, up to [`HEAL_BACKOFF_MAX`].
+const HEAL_BACKOFF_MIN: Duration = Duration::from_secs(5);
+
+/// The longest wait between background rejoin attempts.
+const HEAL_BACKOFF_MAX: Duration = Duration::from_secs(300);
+
 /// Answers and refusals one request queues before the requester reads
 /// them; more are dropped (a member's answer is one of many alike).
 const INCOMING_QUEUE: usize = 16;
@@ -194,6 +201,10 @@ pub struct Grant {
 /// remedy that did not work: that is an answer.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum RejoinResult {
+    /// Nothing to do: the device is not left behind in the group (not
+    /// stranded, its ledger complete), for example because another rejoin
+    /// healed it while this one waited its turn.
+    NotNeeded,
     /// The device is a member again, at `epoch`.
     Recovered {
         /// The group's epoch after the external commit.
@@ -297,13 +308,16 @@ impl GroupPeerManager {
     /// `UnknownGroup`, or this device's store or MLS failing. No answer, or
     /// members refusing, is an answer ([`RejoinResult`]), not an error.
     pub async fn rejoin_group(&self, group: GroupId) -> Result<RejoinResult, DeviceError> {
-        let rec = self.record(group)?;
-        let before = self.ledger_entries(group)?;
-        let joined = {
+        let (rec, before, joined) = {
             // One commit run at a time in the group: the rejoin is one.
             let lane = self.lane_lock(group);
             let _running = lane.lock().await;
-            self.ask_and_join(group).await?
+            let rec = self.record(group)?;
+            if !rec.stranded && rec.ledger_complete {
+                return Ok(RejoinResult::NotNeeded);
+            }
+            let before = self.ledger_entries(group)?;
+            (rec, before, self.ask_and_join(group).await?)
         };
         let (answered_by, epoch, seq) = match joined {
             Ok(j) => j,
@@ -695,6 +709,48 @@ impl GroupPeerManager {
         self.run_lane(group, Some(super::lane::Plan::redrive(entries, op)))
             .await
             .map(|_| ())
+    }
+
+    /// Rejoin `group` in the background until it is healed, unless
+    /// [`ManagerConfig::auto_rejoin`](super::ManagerConfig::auto_rejoin) is
+    /// off or a task heals it already. A failed attempt is reported by
+    /// `rejoin_group` (`Event::RecoveryFailed`) and tried again after a
+    /// growing wait; members refusing (the device was removed) end it: the
+    /// group stays stranded for the app to forget.
+    pub(super) fn heal_in_background(&self, group: GroupId) {
+        if !self.shared.config.auto_rejoin || !lock(&self.shared.healing).insert(group) {
+            return;
+        }
+        let me = self.clone();
+        let stop = self.shared.shutdown.clone();
+        self.shared.tasks.spawn(async move {
+            let mut wait = HEAL_BACKOFF_MIN;
+            loop {
+                if !matches!(me.record(group), Ok(r) if r.stranded) {
+                    break;
+                }
+                let healed = tokio::select! {
+                    _ = stop.cancelled() => break,
+                    r = me.rejoin_group(group) => r,
+                };
+                match healed {
+                    Ok(RejoinResult::RecoveryFailed { .. }) => {}
+                    Ok(_) => break,
+                    Err(DeviceError::UnknownGroup(_)) => break,
+                    Err(e) => me.emit(Event::RecoveryFailed {
+                        group,
+                        remedy: super::Remedy::Rejoin,
+                        reason: e.to_string(),
+                    }),
+                }
+                tokio::select! {
+                    _ = stop.cancelled() => break,
+                    _ = tokio::time::sleep(wait) => {}
+                }
+                wait = (wait * 2).min(HEAL_BACKOFF_MAX);
+            }
+            lock(&me.shared.healing).remove(&group);
+        });
     }
 
     /// A frame arrived on `group`'s rendezvous mailbox at `hub`.

@@ -348,6 +348,7 @@ impl GroupPeerManager {
             rec.stranded = true;
             self.save_record(guard, rec)?;
             self.emit(Event::Stranded { group: rec.id });
+            self.heal_in_background(rec.id);
         }
         Ok(())
     }
@@ -1131,6 +1132,14 @@ impl GroupPeerManager {
                 continue;
             }
             let done = f.messages.len() < 200;
+            // Frames trimmed away before this device read them: gone for
+            // good from this hub (another hub of the group may still
+            // deliver them); said, never skipped silently.
+            let missed = match (f.gap, f.oldest, f.head) {
+                (false, _, _) => 0,
+                (true, Some(oldest), _) => oldest.saturating_sub(after + 1),
+                (true, None, head) => head.unwrap_or(after).saturating_sub(after),
+            };
             let mut guard = self.shared.registry.lock(group).await;
             if self.shared.records.app_cursor(&group, hub, topic)? != after {
                 // Another catch-up of the same topic moved on meanwhile.
@@ -1163,11 +1172,22 @@ impl GroupPeerManager {
                 }
                 last = m.seq;
             }
+            if missed > 0 {
+                last = last.max(after + missed);
+            }
             self.shared
                 .records
                 .put_app_cursor(&mut b, &group, hub, topic, last);
             guard.finish(b)?;
             drop(guard);
+            if missed > 0 {
+                tracing::warn!(%group, hub, missed, "app frames trimmed before they were read");
+                self.emit(Event::AppFramesMissed {
+                    group,
+                    hub: hub.to_string(),
+                    missed,
+                });
+            }
             if forwarded {
                 self.shared.outbox.wake();
             }
