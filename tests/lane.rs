@@ -2009,6 +2009,72 @@ async fn a_stranded_member_that_only_reads_rejoins_on_its_own() {
     assert_eq!(c.stats().commits, 0, "c committed nothing of its own");
 }
 
+/// A message is never encrypted in an epoch the others left: a stranded
+/// member (its background rejoin off) that sends rejoins first and
+/// encrypts in the group's epoch, so the others read it; with nobody to
+/// answer, `send` says `Stranded` and nothing is queued.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stranded_member_rejoins_before_it_sends_or_sends_nothing() {
+    let hub = TestHub::start_with(|c| {
+        unthrottled(c);
+        c.limits.max_log_depth = 3;
+    })
+    .await
+    .unwrap();
+    let u = vec![hub.url().to_string()];
+    let mut a = TestDevice::open(&u).await.unwrap();
+    let b = TestDevice::open(&u).await.unwrap();
+    let mut oc = device_options(&u);
+    oc.manager.auto_rejoin = false;
+    oc.manager.rejoin_deadline = Duration::from_secs(2);
+    let mut c = TestDevice::open_with(oc).await.unwrap();
+    let (wb, wc) = (Watch::new(&b), Watch::new(&c));
+    let g = group_of(&a, &[(&b, &wb), (&c, &wc)], &u).await;
+    agree(&[&a, &b, &c], g).await;
+
+    c.close().await;
+    for _ in 0..5 {
+        a.rotate_keys(g).await.unwrap();
+    }
+    c.reopen().await.unwrap();
+    let wc = Watch::new(&c);
+    wc.until(
+        "stranded",
+        |ev| matches!(ev, Event::Stranded { group } if *group == g),
+    )
+    .await;
+    let sent = c.send(g, b"from behind").await.unwrap();
+    let (e, _) = agree(&[&a, &b, &c], g).await;
+    assert_eq!(
+        sent.epoch, e,
+        "encrypted in the group's epoch, after the rejoin"
+    );
+    wb.until_message(g, b"from behind").await;
+
+    // Left behind again, with nobody to answer.
+    c.close().await;
+    b.rotate_keys(g).await.unwrap();
+    for _ in 0..4 {
+        a.rotate_keys(g).await.unwrap();
+    }
+    a.close().await;
+    drop(b);
+    c.reopen().await.unwrap();
+    let wc = Watch::new(&c);
+    wc.until(
+        "stranded again",
+        |ev| matches!(ev, Event::Stranded { group } if *group == g),
+    )
+    .await;
+    let owed = c.stats().outbox_owed;
+    let got = c.send(g, b"into the void").await;
+    assert!(
+        matches!(&got, Err(hubsync::device::DeviceError::Stranded { group, .. }) if *group == g),
+        "{got:?}"
+    );
+    assert_eq!(c.stats().outbox_owed, owed, "nothing queued");
+}
+
 /// `invite` `c` into `g` with a Welcome whose ledger is short.
 async fn group_with_incomplete_member_in(a: &TestDevice, g: GroupId, c: &TestDevice, wc: &Watch) {
     a.manager()

@@ -209,7 +209,10 @@ pub fn event_line(e: &Event) -> String {
         }
         Event::Forgotten { group } => format!("forgotten {}", &group.to_string()[..8]),
         Event::AppFramesMissed { group, hub, missed } => {
-            format!("app-frames-missed {} {hub} {missed}", &group.to_string()[..8])
+            format!(
+                "app-frames-missed {} {hub} {missed}",
+                &group.to_string()[..8]
+            )
         }
         Event::LedgerGathered { group, entries, .. } => {
             format!("ledger-gathered {} {entries}", &group.to_string()[..8])
@@ -521,9 +524,7 @@ pub fn check(
                 // A device that rejoined at a later epoch never had the
                 // keys of the epochs it was left behind in; one away past
                 // the logs' depth may have found the message trimmed.
-                let rejoined_past = rejoined_at
-                    .get(&(i, m.group))
-                    .is_some_and(|e| *e > m.epoch);
+                let rejoined_past = rejoined_at.get(&(i, m.group)).is_some_and(|e| *e > m.epoch);
                 let away = history
                     .outages
                     .iter()

@@ -78,7 +78,7 @@ pub struct Faults {
 /// Frames a hub keeps per log when `outages` are on (otherwise the hub's
 /// default), so that a device away for a while really finds its logs
 /// trimmed.
-pub const OUTAGE_LOG_DEPTH: u64 = 6;
+pub const OUTAGE_LOG_DEPTH: u64 = 4;
 
 impl Faults {
     /// Every fault on.

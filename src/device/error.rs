@@ -28,6 +28,18 @@ pub enum DeviceError {
     /// The device's store failed.
     #[error("device store: {0}")]
     Store(String),
+    /// This device is left behind in the group (stranded) and could not
+    /// rejoin, so nothing was sent: a message encrypted in an epoch the
+    /// others left could not be read by them. Send again later (with
+    /// `ManagerConfig::auto_rejoin` the device keeps trying to rejoin on
+    /// its own), or forget the group if members say it is not in it.
+    #[error("left behind in group {group} and not rejoined: {reason}")]
+    Stranded {
+        /// The group.
+        group: GroupId,
+        /// Why the rejoin did not help.
+        reason: String,
+    },
     /// The device was stopped.
     #[error("the device is stopped")]
     Stopped,

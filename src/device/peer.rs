@@ -13,6 +13,7 @@ use super::manager::{FutureFrames, GroupPeerManager, GroupTopics};
 use super::mls;
 use super::records::{GroupId, GroupRecord};
 use super::registry::{GroupGuard, OpProvider};
+use super::rejoin::RejoinResult;
 use super::topics;
 use crate::kv::WriteBatch;
 use crate::wire::{DeviceId, TopicId};
@@ -881,9 +882,14 @@ impl GroupPeerManager {
     /// full outbox stops the message before it is encrypted, so nothing is
     /// half sent.
     ///
+    /// A device left behind in the group (stranded) rejoins first, so the
+    /// message is encrypted in an epoch the others can read; if it cannot,
+    /// nothing is sent.
+    ///
     /// # Errors
-    /// `UnknownGroup`, `OutboxFull` (without `wait`), MLS or store errors.
-    /// Hub outages are not errors: the outbox delivers once the hub is back.
+    /// `UnknownGroup`, `Stranded` (the rejoin did not help), `OutboxFull`
+    /// (without `wait`), MLS or store errors. Hub outages are not errors:
+    /// the outbox delivers once the hub is back.
     ///
     /// # Cancel safety
     /// Cancel safe while it waits for room.
@@ -893,6 +899,20 @@ impl GroupPeerManager {
         body: &[u8],
         wait: bool,
     ) -> Result<Sent, DeviceError> {
+        if self.record(group)?.stranded {
+            // The others cannot read what this device would encrypt in an
+            // epoch they left: rejoin first, then encrypt in theirs.
+            let why = match self.rejoin_group(group).await? {
+                RejoinResult::Recovered { .. } | RejoinResult::NotNeeded => None,
+                RejoinResult::NotAMember { refused_by } => Some(format!(
+                    "members say this device is not in the group: {refused_by:?}"
+                )),
+                RejoinResult::RecoveryFailed { reason } => Some(reason),
+            };
+            if let Some(reason) = why {
+                return Err(DeviceError::Stranded { group, reason });
+            }
+        }
         self.broadcast_with(group, body, &[], wait).await
     }
 

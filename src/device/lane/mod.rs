@@ -260,6 +260,9 @@ impl From<crate::device::DeviceError> for CommitError {
         match e {
             crate::device::DeviceError::UnknownGroup(g) => CommitError::UnknownGroup(g),
             crate::device::DeviceError::Stopped => CommitError::Stopped,
+            crate::device::DeviceError::Stranded { group, .. } => {
+                CommitError::RecoveryRequired(group)
+            }
             crate::device::DeviceError::Commit(c) => c,
             other => CommitError::Store(RegistryError::Store(other.to_string())),
         }
