@@ -478,8 +478,14 @@ pub fn check(
     let mut joined_at: BTreeMap<(usize, GroupId), u64> = BTreeMap::new();
     // The latest epoch each device rejoined each group at.
     let mut rejoined_at: BTreeMap<(usize, GroupId), u64> = BTreeMap::new();
-    for (_, dev, e) in events {
+    // When each device last said a hub trimmed app frames of a group
+    // before it read them.
+    let mut missed_at: BTreeMap<(usize, GroupId), u64> = BTreeMap::new();
+    for (t, dev, e) in events {
         match e {
+            Event::AppFramesMissed { group, .. } => {
+                missed_at.insert((*dev, *group), *t);
+            }
             Event::MessageReceived { group, id, .. } => {
                 *got.entry((*dev, *group, *id)).or_default() += 1
             }
@@ -522,15 +528,13 @@ pub fn check(
             if got.get(&(i, m.group, m.id)).copied().unwrap_or(0) == 0 {
                 let bound = history.hubs.get(&m.group).cloned().unwrap_or_default();
                 // A device that rejoined at a later epoch never had the
-                // keys of the epochs it was left behind in; one away past
-                // the logs' depth may have found the message trimmed.
+                // keys of the epochs it was left behind in; one that was
+                // told, after the send, that a hub trimmed app frames of
+                // the group before it read them may have lost it there.
                 let rejoined_past = rejoined_at.get(&(i, m.group)).is_some_and(|e| *e > m.epoch);
-                let away = history
-                    .outages
-                    .iter()
-                    .any(|o| o.device == *d && m.at_ms <= o.end_ms);
+                let trimmed = missed_at.get(&(i, m.group)).is_some_and(|t| *t >= m.at_ms);
                 if rejoined_past
-                    || away
+                    || trimmed
                     || history
                         .rewinds
                         .iter()
