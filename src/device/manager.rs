@@ -72,10 +72,11 @@ pub struct ManagerConfig {
     /// GroupInfo and racing its external commit.
     pub rejoin_deadline: Duration,
     /// Rejoin a group on its own, in the background, as soon as this
-    /// device finds itself stranded there (and again after a failed
-    /// attempt, waiting 5 s, then twice as long each time up to 5 min),
-    /// so a device that only reads heals too. Off: a stranded group waits
-    /// for a commit (`commit_with_recovery`) or the app's `rejoin_group`.
+    /// device finds itself stranded there, then gather its ledger if the
+    /// rejoin left it incomplete (each again after a failed attempt,
+    /// waiting 5 s, then twice as long each time up to 5 min), so a device
+    /// that only reads heals too. Off: a stranded group waits for a commit
+    /// (`commit_with_recovery`) or the app's `rejoin_group`.
     pub auto_rejoin: bool,
 }
 

@@ -353,6 +353,10 @@ impl GroupPeerManager {
             .installed_from
             .or_else(|| summary.answered.first().copied());
         let (reenact, not_reenacted) = self.reenact(group, &rec, before).await?;
+        if !self.record(group)?.ledger_complete {
+            // Nobody answered the gather in time: go on asking.
+            self.heal_in_background(group);
+        }
         Ok(RejoinResult::Recovered {
             epoch,
             seq,
@@ -711,12 +715,14 @@ impl GroupPeerManager {
             .map(|_| ())
     }
 
-    /// Rejoin `group` in the background until it is healed, unless
+    /// Heal `group` in the background, unless
     /// [`ManagerConfig::auto_rejoin`](super::ManagerConfig::auto_rejoin) is
-    /// off or a task heals it already. A failed attempt is reported by
-    /// `rejoin_group` (`Event::RecoveryFailed`) and tried again after a
-    /// growing wait; members refusing (the device was removed) end it: the
-    /// group stays stranded for the app to forget.
+    /// off or a task heals it already: rejoin while it is stranded, then
+    /// gather the ledger while it is incomplete (a rejoin whose gather
+    /// found nobody leaves it so). A failed attempt is reported
+    /// (`Event::RecoveryFailed`) and tried again after a growing wait;
+    /// members refusing a rejoin (the device was removed) end it: the group
+    /// stays stranded for the app to forget.
     pub(super) fn heal_in_background(&self, group: GroupId) {
         if !self.shared.config.auto_rejoin || !lock(&self.shared.healing).insert(group) {
             return;
@@ -725,23 +731,44 @@ impl GroupPeerManager {
         let stop = self.shared.shutdown.clone();
         self.shared.tasks.spawn(async move {
             let mut wait = HEAL_BACKOFF_MIN;
-            loop {
-                if !matches!(me.record(group), Ok(r) if r.stranded) {
-                    break;
-                }
-                let healed = tokio::select! {
-                    _ = stop.cancelled() => break,
-                    r = me.rejoin_group(group) => r,
-                };
-                match healed {
-                    Ok(RejoinResult::RecoveryFailed { .. }) => {}
-                    Ok(_) => break,
-                    Err(DeviceError::UnknownGroup(_)) => break,
-                    Err(e) => me.emit(Event::RecoveryFailed {
+            while let Ok(rec) = me.record(group) {
+                if rec.stranded {
+                    let healed = tokio::select! {
+                        _ = stop.cancelled() => break,
+                        r = me.rejoin_group(group) => r,
+                    };
+                    match healed {
+                        // Rejoined: its ledger may still lack entries.
+                        Ok(RejoinResult::Recovered { .. }) => continue,
+                        Ok(RejoinResult::RecoveryFailed { .. }) => {}
+                        Ok(RejoinResult::NotNeeded | RejoinResult::NotAMember { .. })
+                        | Err(DeviceError::UnknownGroup(_)) => break,
+                        Err(e) => me.emit(Event::RecoveryFailed {
+                            group,
+                            remedy: super::Remedy::Rejoin,
+                            reason: e.to_string(),
+                        }),
+                    }
+                } else if !rec.ledger_complete {
+                    let deadline = me.shared.config.gather_deadline;
+                    let gathered = tokio::select! {
+                        _ = stop.cancelled() => break,
+                        r = me.request_ledger_catchup(group, deadline) => r,
+                    };
+                    let reason = match gathered {
+                        Ok(s) if s.installed_from.is_some() || s.already_complete => break,
+                        Ok(s) if s.answered.is_empty() => "no member answered".to_string(),
+                        Ok(s) => format!("every answer was refused: {:?}", s.refused),
+                        Err(DeviceError::UnknownGroup(_)) => break,
+                        Err(e) => e.to_string(),
+                    };
+                    me.emit(Event::RecoveryFailed {
                         group,
-                        remedy: super::Remedy::Rejoin,
-                        reason: e.to_string(),
-                    }),
+                        remedy: super::Remedy::Gather,
+                        reason,
+                    });
+                } else {
+                    break;
                 }
                 tokio::select! {
                     _ = stop.cancelled() => break,
