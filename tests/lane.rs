@@ -2151,9 +2151,11 @@ async fn the_loser_of_a_fork_rejoins_and_its_lost_entry_is_issued_again_once() {
 }
 
 /// With every other member offline, a rejoin gives up at its deadline and
-/// says so (an answer, not an error); a member in step has nothing to heal; a device removed from the group (it
-/// never read its removal) gets refusals from the members and no GroupInfo,
-/// and nothing of the group changes.
+/// says so (an answer, not an error); a member in step has nothing to heal;
+/// a device removed from the group (it never read its removal) gets
+/// refusals from the members and no GroupInfo, nothing of the group
+/// changes, and since every other member it knew refused, it takes that as
+/// its removal and forgets the group.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rejoin_with_nobody_to_answer_fails_and_a_removed_device_gets_no_group_info() {
     let hubs = hubs(1).await;
@@ -2206,13 +2208,27 @@ async fn a_rejoin_with_nobody_to_answer_fails_and_a_removed_device_gets_no_group
     let head = a.manager().record(g).unwrap().cursor();
     let r = b.rejoin_group(g).await.unwrap();
     match r {
-        hubsync::device::RejoinResult::NotAMember { refused_by } => {
-            assert!(!refused_by.is_empty());
-            assert!(refused_by.iter().all(|d| *d == a.id() || *d == c.id()));
+        hubsync::device::RejoinResult::NotAMember {
+            mut refused_by,
+            removed,
+        } => {
+            refused_by.sort();
+            let mut both = vec![a.id(), c.id()];
+            both.sort();
+            assert_eq!(refused_by, both, "each member refused for itself");
+            assert!(
+                removed,
+                "every other member refused: b takes it as its removal"
+            );
         }
         other => panic!("a removed device was answered: {other:?}"),
     }
-    assert_eq!(b.epoch(g).await.unwrap(), e - 1, "b's state is untouched");
+    wb.until(
+        "removed",
+        |ev| matches!(ev, Event::Removed { group } if *group == g),
+    )
+    .await;
+    assert!(b.epoch(g).await.is_err(), "b's state of the group is gone");
     assert_eq!(
         agree(&[&a, &c], g).await,
         (e, auth),

@@ -306,11 +306,37 @@ fn hub_rewind_former_log_short_rereads_the_app_logs() {
 /// heal goes on gathering until the ledger is complete.
 #[test]
 fn outage_rejoin_whose_gather_found_nobody_gathers_again() {
+    let r = holds_with_outages(194);
+    assert!(r["rejoins"].as_u64() >= Some(1), "seed 194 rejoined: {r}");
+}
+
+/// Seed 209: the group left hub0 for hub1 while dev3 was away; back and
+/// stranded, dev3 asked to rejoin only on hub0, where no member listens
+/// any more, and never heard an answer. Now a rejoin asks and listens on
+/// the device's own hubs too, and a rejoined device whose ledger is
+/// incomplete adds the commit hub to its hubs, so its gather reaches the
+/// members.
+#[test]
+fn outage_rejoin_reaches_a_group_that_moved_hubs() {
+    let r = holds_with_outages(209);
+    assert!(r["rejoins"].as_u64() >= Some(1), "seed 209 rejoined: {r}");
+}
+
+/// Seed 454: dev3 was removed while cut off from the commit hub; back
+/// past the logs' depth it was stranded, every member refused its rejoin,
+/// and it held the group for good. Now refusals from most of the members
+/// it knows are its removal: it forgets the group.
+#[test]
+fn outage_removed_device_refused_by_every_member_forgets_the_group() {
+    holds_with_outages(454);
+}
+
+fn holds_with_outages(seed: u64) -> serde_json::Value {
     let r = run_in_process(
-        194,
+        seed,
         30,
         "partitions,hub-crashes,device-crashes,latency,drops,strangers,outages",
     );
-    assert_eq!(r["violations"], serde_json::json!([]), "seed 194");
-    assert!(r["rejoins"].as_u64() >= Some(1), "seed 194 rejoined: {r}");
+    assert_eq!(r["violations"], serde_json::json!([]), "seed {seed}");
+    r
 }

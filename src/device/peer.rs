@@ -904,7 +904,11 @@ impl GroupPeerManager {
             // epoch they left: rejoin first, then encrypt in theirs.
             let why = match self.rejoin_group(group).await? {
                 RejoinResult::Recovered { .. } | RejoinResult::NotNeeded => None,
-                RejoinResult::NotAMember { refused_by } => Some(format!(
+                // Taken as its removal: the group is gone here.
+                RejoinResult::NotAMember { removed: true, .. } => {
+                    return Err(DeviceError::UnknownGroup(group))
+                }
+                RejoinResult::NotAMember { refused_by, .. } => Some(format!(
                     "members say this device is not in the group: {refused_by:?}"
                 )),
                 RejoinResult::RecoveryFailed { reason } => Some(reason),

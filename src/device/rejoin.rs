@@ -226,10 +226,18 @@ pub enum RejoinResult {
         not_reenacted: Vec<(Entry, String)>,
     },
     /// Members say this device is not in the group: they see no leaf of
-    /// it (it was removed). Nothing changed on this device.
+    /// it (it was removed). Nothing changed on this device unless
+    /// `removed`.
     NotAMember {
         /// The members that said so (each signed its refusal).
         refused_by: Vec<DeviceId>,
+        /// Whether this device took it as its removal: more than half of
+        /// the other members of its own (stale) view refused, and none
+        /// answered, so its state of the group is gone (`Event::Removed`).
+        /// Fewer refusals change nothing: a member removed after this
+        /// device fell behind still looks like a member to it, and could
+        /// refuse falsely, but it is one voice.
+        removed: bool,
     },
     /// No usable answer before the deadline; nothing changed on this
     /// device (also reported as `Event::RecoveryFailed`).
@@ -322,14 +330,28 @@ impl GroupPeerManager {
         let (answered_by, epoch, seq) = match joined {
             Ok(j) => j,
             Err(refused) if !refused.is_empty() => {
-                let reason = format!("members say this device is not in the group: {refused:?}");
-                self.emit(Event::RecoveryFailed {
-                    group,
-                    remedy: super::Remedy::Rejoin,
-                    reason,
-                });
+                let me = self.shared.identity.id();
+                let mut guard = self.shared.registry.lock(group).await;
+                let others: BTreeSet<DeviceId> = self
+                    .member_set(&mut guard)?
+                    .into_iter()
+                    .filter(|d| *d != me)
+                    .collect();
+                let removed =
+                    refused.iter().filter(|d| others.contains(d)).count() * 2 > others.len();
+                if removed {
+                    tracing::info!(%group, ?refused, "most members refused the rejoin: removed");
+                    self.leave(&mut guard, group).await?;
+                } else {
+                    self.emit(Event::RecoveryFailed {
+                        group,
+                        remedy: super::Remedy::Rejoin,
+                        reason: format!("members say this device is not in the group: {refused:?}"),
+                    });
+                }
                 return Ok(RejoinResult::NotAMember {
                     refused_by: refused.into_iter().collect(),
+                    removed,
                 });
             }
             Err(_) => {
@@ -401,6 +423,12 @@ impl GroupPeerManager {
         let (tx, mut rx) = mpsc::channel(INCOMING_QUEUE);
         lock(&self.shared.rejoins).insert((group, nonce), tx);
         let deadline = Instant::now() + self.shared.config.rejoin_deadline;
+        // The group may have moved to hubs this device's stale record does
+        // not name (bound while it was away): it also asks, and listens,
+        // on its own hubs for as long as it asks.
+        let _listening = self
+            .listen_rendezvous_beyond_routes(group, &rec, &rendezvous)
+            .drop_guard();
         let mut refused = BTreeSet::new();
         let mut next_ask = Instant::now();
         let outcome = loop {
@@ -411,7 +439,13 @@ impl GroupPeerManager {
             if now >= next_ask {
                 next_ask = now + ASK_INTERVAL;
                 let rec = self.record(group)?;
-                for hub in rec.routes() {
+                let mut hubs = rec.routes();
+                for own in lock(&self.shared.own_hubs).iter() {
+                    if !hubs.contains(own) {
+                        hubs.push(own.clone());
+                    }
+                }
+                for hub in hubs {
                     if hub == super::lane::LOOPBACK_HUB {
                         continue;
                     }
@@ -468,6 +502,48 @@ impl GroupPeerManager {
         };
         lock(&self.shared.rejoins).remove(&(group, nonce));
         outcome
+    }
+
+    /// Listen to `group`'s rendezvous mailbox on this device's own hubs
+    /// that are not among the group's routes (whose peers listen already),
+    /// until the answer token is cancelled. Answers that token.
+    fn listen_rendezvous_beyond_routes(
+        &self,
+        group: GroupId,
+        rec: &super::records::GroupRecord,
+        topic: &TopicId,
+    ) -> CancellationToken {
+        let done = CancellationToken::new();
+        let routes = rec.routes();
+        let extra: Vec<String> = lock(&self.shared.own_hubs)
+            .iter()
+            .filter(|h| !routes.contains(h))
+            .cloned()
+            .collect();
+        for hub in extra {
+            let link = self.hub_link(&hub);
+            let mut rx = link.subscribe(topic.clone(), None);
+            let me = self.clone();
+            let done = done.clone();
+            let topic = topic.clone();
+            self.shared.tasks.spawn(async move {
+                loop {
+                    let d = tokio::select! {
+                        _ = done.cancelled() => break,
+                        d = rx.recv() => match d { Some(d) => d, None => break },
+                    };
+                    me.on_rendezvous(group, &hub, &d.payload);
+                    link.ack(vec![d.id]).await;
+                }
+                // Unless the rejoin made it one of the group's hubs, whose
+                // peer now holds the subscription.
+                let routed = me.record(group).is_ok_and(|r| r.routes().contains(&hub));
+                if !routed {
+                    link.unsubscribe(&topic).await;
+                }
+            });
+        }
+        done
     }
 
     /// Post `frame` on the rendezvous mailbox at `hub`.
@@ -624,7 +700,15 @@ impl GroupPeerManager {
                 rec.ledger_complete = true;
                 self.follow_ledger(&mut rec, &state, &[]);
             }
-            Err(_) => rec.ledger_complete = false,
+            Err(_) => {
+                // Its hubs come from the ledger it lacks: at least the
+                // commit hub is the group's, so the gather that follows
+                // reaches the members there.
+                rec.ledger_complete = false;
+                if !rec.hubs.is_empty() && !rec.hubs.contains(&grant.commit_hub) {
+                    rec.hubs.push(grant.commit_hub.clone());
+                }
+            }
         }
         let mut b = WriteBatch::new();
         self.shared.records.put_group(&mut b, &rec);
@@ -822,11 +906,11 @@ impl GroupPeerManager {
                 }
             }
             RendezvousFrame::Refusal(f) => {
+                // Another member's refusal cancels nothing: the requester
+                // takes the refusals of most of the members it knows as
+                // its removal, so each member says so for itself.
                 if f.group != group {
                     return;
-                }
-                if let Some(t) = lock(&self.shared.answering).get(&(group, f.nonce)) {
-                    t.cancel();
                 }
                 if f.to == me && verify_by(&f.from, &f.signed_bytes(), &f.signature) {
                     if let Some(tx) = lock(&self.shared.rejoins).get(&(group, f.nonce)) {
