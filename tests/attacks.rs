@@ -519,6 +519,25 @@ impl Raw {
             .unwrap()
     }
 
+    /// A plain openmls client with key `signing_key(n)`, invited into `g`
+    /// by `admin` and joined with `policy`.
+    async fn invited(
+        hub: &TestHub,
+        n: u64,
+        admin: &TestDevice,
+        g: GroupId,
+        policy: WireFormatPolicy,
+    ) -> (Raw, MlsGroup) {
+        let mut m = Raw::connect(hub, n).await;
+        m.listen_for_welcomes().await;
+        let kp = m.key_package(m.honest(), &m.signer);
+        m.client.upload_key_packages(vec![kp], None).await.unwrap();
+        admin.invite(g, m.id()).await.unwrap();
+        let env = m.next_welcome().await;
+        let group = m.join(&env, policy);
+        (m, group)
+    }
+
     /// Publish on a log topic, compare-and-set on its current head, as the
     /// commit lane does; answers the sequence number.
     async fn publish_at_head(&self, w: &TopicWriter, payload: Vec<u8>) -> u64 {
@@ -1513,13 +1532,7 @@ async fn a_standard_clients_public_message_commit_is_accepted() {
     let (wa, wb) = (Watch::new(&a), Watch::new(&b));
     let g = group_of(&a, &[(&b, &wb)], &u).await;
 
-    let mut m = Raw::connect(&hub, 8101).await;
-    m.listen_for_welcomes().await;
-    let kp = m.key_package(m.honest(), &m.signer);
-    m.client.upload_key_packages(vec![kp], None).await.unwrap();
-    a.invite(g, m.id()).await.unwrap();
-    let env = m.next_welcome().await;
-    let mut group = m.join(&env, MIXED_PLAINTEXT_WIRE_FORMAT_POLICY);
+    let (m, mut group) = Raw::invited(&hub, 8101, &a, g, MIXED_PLAINTEXT_WIRE_FORMAT_POLICY).await;
     let (e, _) = agree(&[&a, &b], g).await;
     assert_eq!(group.epoch().as_u64(), e);
     let topic = commit_writer_of(&group, &m.provider);
@@ -1631,13 +1644,7 @@ async fn an_outsider_with_a_leaked_group_info_cannot_join_by_external_commit() {
     let (wa, wb) = (Watch::new(&a), Watch::new(&b));
     let g = group_of(&a, &[(&b, &wb)], &u).await;
 
-    let mut m = Raw::connect(&hub, 8201).await;
-    m.listen_for_welcomes().await;
-    let kp = m.key_package(m.honest(), &m.signer);
-    m.client.upload_key_packages(vec![kp], None).await.unwrap();
-    a.invite(g, m.id()).await.unwrap();
-    let env = m.next_welcome().await;
-    let group = m.join(&env, MIXED_CIPHERTEXT_WIRE_FORMAT_POLICY);
+    let (m, group) = Raw::invited(&hub, 8201, &a, g, MIXED_CIPHERTEXT_WIRE_FORMAT_POLICY).await;
     let (e, _) = agree(&[&a, &b], g).await;
     assert_eq!(group.epoch().as_u64(), e);
     let topic = commit_writer_of(&group, &m.provider);

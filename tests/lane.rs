@@ -1644,20 +1644,7 @@ async fn group_with_incomplete_member(
     u: &[String],
 ) -> GroupId {
     let g = group_of(a, complete, u).await;
-    a.manager()
-        .faults()
-        .short_welcome_ledger
-        .store(true, SeqCst);
-    invite_with_retry(a, g, b.id()).await;
-    a.manager()
-        .faults()
-        .short_welcome_ledger
-        .store(false, SeqCst);
-    wb.until(
-        "the welcome",
-        |e| matches!(e, Event::GroupJoined { group, .. } if *group == g),
-    )
-    .await;
+    group_with_incomplete_member_in(a, g, b, wb).await;
     assert!(
         !b.ledger_view(g).unwrap().is_member(&a.id()),
         "the joiner's ledger is incomplete"
@@ -1869,6 +1856,30 @@ fn entries_once(d: &TestDevice, g: GroupId) {
     assert_eq!(ids.len(), ledger.len(), "every entry once");
 }
 
+/// A hub that keeps 3 frames a log, so a device away for a few commits
+/// finds its log trimmed.
+async fn shallow_hub() -> TestHub {
+    TestHub::start_with(|c| {
+        unthrottled(c);
+        c.limits.max_log_depth = 3;
+    })
+    .await
+    .unwrap()
+}
+
+/// Reopen `c`, closed while `g` moved past the log's depth, and wait until
+/// it finds itself stranded there; answers its watch.
+async fn reopened_stranded(c: &mut TestDevice, g: GroupId) -> Watch {
+    c.reopen().await.unwrap();
+    let wc = Watch::new(c);
+    wc.until(
+        "stranded",
+        |ev| matches!(ev, Event::Stranded { group } if *group == g),
+    )
+    .await;
+    wc
+}
+
 /// A member offline while the hub trimmed its commit log past the member's
 /// cursor comes back and is stranded. Its commit rejoins by external commit
 /// (a gather first would be useless: the members' answers are in epochs it
@@ -1877,12 +1888,7 @@ fn entries_once(d: &TestDevice, g: GroupId) {
 /// normally, and the ledger holds every entry once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_member_offline_past_the_logs_depth_rejoins_and_gathers_its_ledger() {
-    let hub = TestHub::start_with(|c| {
-        unthrottled(c);
-        c.limits.max_log_depth = 3;
-    })
-    .await
-    .unwrap();
+    let hub = shallow_hub().await;
     let u = vec![hub.url().to_string()];
     let a = TestDevice::open(&u).await.unwrap();
     let b = TestDevice::open(&u).await.unwrap();
@@ -1905,13 +1911,7 @@ async fn a_member_offline_past_the_logs_depth_rejoins_and_gathers_its_ledger() {
     let (e5, _) = agree(&[&a, &b], g).await;
     assert_eq!(e5, e + 5);
 
-    c.reopen().await.unwrap();
-    let wc = Watch::new(&c);
-    wc.until(
-        "stranded",
-        |ev| matches!(ev, Event::Stranded { group } if *group == g),
-    )
-    .await;
+    let wc = reopened_stranded(&mut c, g).await;
     assert!(
         !c.manager().record(g).unwrap().ledger_complete,
         "c's ledger is still incomplete"
@@ -1967,12 +1967,7 @@ async fn a_member_offline_past_the_logs_depth_rejoins_and_gathers_its_ledger() {
 /// and sends again; the members see one leaf of it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stranded_member_that_only_reads_rejoins_on_its_own() {
-    let hub = TestHub::start_with(|c| {
-        unthrottled(c);
-        c.limits.max_log_depth = 3;
-    })
-    .await
-    .unwrap();
+    let hub = shallow_hub().await;
     let u = vec![hub.url().to_string()];
     let a = TestDevice::open(&u).await.unwrap();
     let mut c = TestDevice::open(&u).await.unwrap();
@@ -2015,12 +2010,7 @@ async fn a_stranded_member_that_only_reads_rejoins_on_its_own() {
 /// answer, `send` says `Stranded` and nothing is queued.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stranded_member_rejoins_before_it_sends_or_sends_nothing() {
-    let hub = TestHub::start_with(|c| {
-        unthrottled(c);
-        c.limits.max_log_depth = 3;
-    })
-    .await
-    .unwrap();
+    let hub = shallow_hub().await;
     let u = vec![hub.url().to_string()];
     let mut a = TestDevice::open(&u).await.unwrap();
     let b = TestDevice::open(&u).await.unwrap();
@@ -2036,13 +2026,7 @@ async fn a_stranded_member_rejoins_before_it_sends_or_sends_nothing() {
     for _ in 0..5 {
         a.rotate_keys(g).await.unwrap();
     }
-    c.reopen().await.unwrap();
-    let wc = Watch::new(&c);
-    wc.until(
-        "stranded",
-        |ev| matches!(ev, Event::Stranded { group } if *group == g),
-    )
-    .await;
+    reopened_stranded(&mut c, g).await;
     let sent = c.send(g, b"from behind").await.unwrap();
     let (e, _) = agree(&[&a, &b, &c], g).await;
     assert_eq!(
@@ -2059,13 +2043,7 @@ async fn a_stranded_member_rejoins_before_it_sends_or_sends_nothing() {
     }
     a.close().await;
     drop(b);
-    c.reopen().await.unwrap();
-    let wc = Watch::new(&c);
-    wc.until(
-        "stranded again",
-        |ev| matches!(ev, Event::Stranded { group } if *group == g),
-    )
-    .await;
+    reopened_stranded(&mut c, g).await;
     let owed = c.stats().outbox_owed;
     let got = c.send(g, b"into the void").await;
     assert!(
