@@ -60,6 +60,20 @@ pub struct LedgerCatchupSummary {
     pub refused: Vec<(DeviceId, String)>,
 }
 
+impl LedgerCatchupSummary {
+    /// Why the catch-up did not leave the ledger complete (`None`: it is
+    /// complete, installed now or already).
+    pub fn failure(&self) -> Option<String> {
+        if self.installed_from.is_some() || self.already_complete {
+            None
+        } else if self.answered.is_empty() {
+            Some("no member answered".to_string())
+        } else {
+            Some(format!("every answer was refused: {:?}", self.refused))
+        }
+    }
+}
+
 /// One answer as the requester receives it.
 pub(super) struct Answer {
     pub from: DeviceId,

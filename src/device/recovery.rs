@@ -58,9 +58,7 @@ impl GroupPeerManager {
         if !rec.ledger_complete && !rec.stranded {
             let deadline = self.shared.config.gather_deadline;
             let failed = match self.request_ledger_catchup(group, deadline).await {
-                Ok(s) if s.installed_from.is_some() || s.already_complete => None,
-                Ok(s) if s.answered.is_empty() => Some("no member answered".to_string()),
-                Ok(s) => Some(format!("every answer was refused: {:?}", s.refused)),
+                Ok(s) => s.failure(),
                 Err(e) => Some(e.to_string()),
             };
             match failed {

@@ -840,9 +840,10 @@ impl GroupPeerManager {
                         r = me.request_ledger_catchup(group, deadline) => r,
                     };
                     let reason = match gathered {
-                        Ok(s) if s.installed_from.is_some() || s.already_complete => break,
-                        Ok(s) if s.answered.is_empty() => "no member answered".to_string(),
-                        Ok(s) => format!("every answer was refused: {:?}", s.refused),
+                        Ok(s) => match s.failure() {
+                            None => break,
+                            Some(why) => why,
+                        },
                         Err(DeviceError::UnknownGroup(_)) => break,
                         Err(e) => e.to_string(),
                     };
