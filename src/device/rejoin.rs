@@ -881,12 +881,14 @@ impl GroupPeerManager {
                     self.shared.counters.dropped.fetch_add(1, Ordering::Relaxed);
                     return;
                 }
-                let token = CancellationToken::new();
-                lock(&self.shared.answering).insert((group, r.nonce), token.clone());
                 let hub = hub.to_string();
                 let who = r.device;
                 self.handle_request(group, who, "rejoin request", move |this| async move {
+                    // Registered by the task itself: a request dropped
+                    // over the bound leaves nothing behind.
                     let nonce = r.nonce;
+                    let token = CancellationToken::new();
+                    lock(&this.shared.answering).insert((group, nonce), token.clone());
                     let result = this.answer_rejoin(group, &hub, r, token).await;
                     lock(&this.shared.answering).remove(&(group, nonce));
                     result
