@@ -1,11 +1,10 @@
 //! `hubsync demo`: two real hubs and five devices on loopback, end to end.
 
-use hubsync::device::{Device, Event, GroupId};
+use hubsync::device::{Device, Event, EventStream, GroupId};
 use hubsync::testkit::{device_options, open_sled, TestHub};
 use hubsync::wire::DeviceId;
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
-use tokio::sync::broadcast;
 
 const WAIT: Duration = Duration::from_secs(30);
 
@@ -13,7 +12,7 @@ struct Node {
     name: String,
     device: Device,
     dir: tempfile::TempDir,
-    events: broadcast::Receiver<Event>,
+    events: EventStream,
     seen: HashSet<[u8; 16]>,
     joined: HashSet<GroupId>,
 }
@@ -40,7 +39,11 @@ impl Node {
     }
 
     fn drain(&mut self) {
-        while let Ok(e) = self.events.try_recv() {
+        while let Some(got) = self.events.try_recv() {
+            let Ok(e) = got else {
+                println!("  {} missed some events", self.name);
+                continue;
+            };
             match e {
                 Event::MessageReceived { id, body, .. } if self.seen.insert(id) => {
                     println!(

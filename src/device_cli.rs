@@ -12,7 +12,6 @@ use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
-use tokio::sync::broadcast::error::RecvError;
 
 #[derive(clap::Args)]
 pub struct DeviceArgs {
@@ -196,21 +195,7 @@ async fn listen(device: &Device, secs: Option<Duration>) -> Result<(), String> {
     // positions tell what was printed already.
     let mut events = device.events();
     let mut printed: BTreeMap<GroupId, u64> = BTreeMap::new();
-    for g in device.groups().map_err(|e| e.to_string())? {
-        let mut after = device.inbox_status(g).map_err(|e| e.to_string())?.processed;
-        loop {
-            let page = device.messages(g, after, 256).map_err(|e| e.to_string())?;
-            let Some(last) = page.last().map(|m| m.position) else {
-                break;
-            };
-            for m in page {
-                print(message_json(g, m.position, m.sender, m.id, &m.body));
-            }
-            device.mark_processed(g, last).map_err(|e| e.to_string())?;
-            after = last;
-        }
-        printed.insert(g, after);
-    }
+    print_unprocessed(device, &mut printed)?;
     let stop = async {
         match secs {
             Some(d) => tokio::time::sleep(d).await,
@@ -225,13 +210,13 @@ async fn listen(device: &Device, secs: Option<Duration>) -> Result<(), String> {
             e = events.recv() => e,
         };
         match e {
-            Ok(Event::MessageReceived {
+            Some(Ok(Event::MessageReceived {
                 group,
                 position,
                 sender,
                 id,
                 body,
-            }) => {
+            })) => {
                 if printed.get(&group).is_some_and(|p| position <= *p) {
                     continue;
                 }
@@ -241,13 +226,37 @@ async fn listen(device: &Device, secs: Option<Duration>) -> Result<(), String> {
                     .map_err(|e| e.to_string())?;
                 printed.insert(group, position);
             }
-            Ok(other) => print(event_json(&other)),
-            // Events were missed, but no message: messages are in the
-            // inbox, read at the next start.
-            Err(RecvError::Lagged(n)) => print(json!({ "event": "lagged", "missed": n })),
-            Err(RecvError::Closed) => return Ok(()),
+            Some(Ok(other)) => print(event_json(&other)),
+            // Events were missed; the messages among them are in the inbox.
+            Some(Err(lag)) => {
+                print(json!({ "event": "lagged", "missed": lag.missed }));
+                print_unprocessed(device, &mut printed)?;
+            }
+            None => return Ok(()),
         }
     }
+}
+
+/// Print every inbox message of every group past what `printed` (or the
+/// inbox's processed mark) says, and mark it processed.
+fn print_unprocessed(device: &Device, printed: &mut BTreeMap<GroupId, u64>) -> Result<(), String> {
+    for g in device.groups().map_err(|e| e.to_string())? {
+        let processed = device.inbox_status(g).map_err(|e| e.to_string())?.processed;
+        let mut after = printed.get(&g).copied().unwrap_or(0).max(processed);
+        loop {
+            let page = device.messages(g, after, 256).map_err(|e| e.to_string())?;
+            let Some(last) = page.last().map(|m| m.position) else {
+                break;
+            };
+            for m in page {
+                print(message_json(g, m.position, m.sender, m.id, &m.body));
+            }
+            device.mark_processed(g, last).map_err(|e| e.to_string())?;
+            after = last;
+        }
+        printed.insert(g, after);
+    }
+    Ok(())
 }
 
 fn message_json(g: GroupId, position: u64, sender: DeviceId, id: [u8; 16], body: &[u8]) -> Value {

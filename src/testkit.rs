@@ -362,6 +362,36 @@ pub struct TestDevice {
     dir: tempfile::TempDir,
     options: crate::device::DeviceOptions,
     wrap: Option<StoreWrap>,
+    log: Arc<Mutex<Vec<crate::device::Event>>>,
+    /// Where in `log` the device's latest open begins.
+    opened_at: usize,
+}
+
+/// Every event a [`TestDevice`] emitted from its latest open on, recorded
+/// by an observer the device was opened with, so a test sees the events of
+/// the open itself too (an [`EventStream`](crate::device::EventStream) only
+/// sees those after it subscribed).
+#[derive(Clone)]
+pub struct EventLog {
+    log: Arc<Mutex<Vec<crate::device::Event>>>,
+    from: usize,
+}
+
+impl EventLog {
+    /// The same log, but holding only events from now on.
+    pub fn from_now(&self) -> EventLog {
+        let len = self.log.lock().unwrap_or_else(|p| p.into_inner()).len();
+        EventLog {
+            log: self.log.clone(),
+            from: len.max(self.from),
+        }
+    }
+
+    /// The events so far, oldest first.
+    pub fn snapshot(&self) -> Vec<crate::device::Event> {
+        let log = self.log.lock().unwrap_or_else(|p| p.into_inner());
+        log.get(self.from..).map(<[_]>::to_vec).unwrap_or_default()
+    }
 }
 
 impl TestDevice {
@@ -412,12 +442,29 @@ impl TestDevice {
     ) -> Result<TestDevice, crate::device::DeviceError> {
         let dir =
             tempfile::tempdir().map_err(|e| crate::device::DeviceError::Store(e.to_string()))?;
+        let mut options = options;
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let record = log.clone();
+        let inner = options.manager.observer.take();
+        options.manager.observer = Some(crate::device::Observer(Arc::new(
+            move |e: &crate::device::Event| {
+                if let Some(o) = &inner {
+                    (o.0)(e);
+                }
+                record
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push(e.clone());
+            },
+        )));
         let device = Self::start(dir.path(), &options, wrap.as_ref()).await?;
         Ok(TestDevice {
             device: Some(device),
             dir,
             options,
             wrap,
+            log,
+            opened_at: 0,
         })
     }
 
@@ -447,8 +494,17 @@ impl TestDevice {
         if let Some(d) = self.device.take() {
             d.close().await;
         }
+        self.opened_at = self.log.lock().unwrap_or_else(|p| p.into_inner()).len();
         self.device = Some(Self::start(self.dir.path(), &self.options, self.wrap.as_ref()).await?);
         Ok(())
+    }
+
+    /// The events of this device from its latest open (or reopen) on.
+    pub fn event_log(&self) -> EventLog {
+        EventLog {
+            log: self.log.clone(),
+            from: self.opened_at,
+        }
     }
 
     /// Close the device (its directory stays until this value is dropped).

@@ -25,7 +25,7 @@ use hubsync::device::topics::{
 use hubsync::device::{CommitError, Event, GroupId};
 use hubsync::hub::Limits;
 use hubsync::kv::KvStore;
-use hubsync::testkit::{device_options, open_sled, signing_key, TestDevice, TestHub};
+use hubsync::testkit::{device_options, open_sled, signing_key, EventLog, TestDevice, TestHub};
 use hubsync::wire::{
     DeviceId, ExpectedHead, HubError, Publish, PublishId, PublishOutcome, RetentionClass, TopicId,
 };
@@ -43,7 +43,7 @@ use openmls_traits::OpenMlsProvider;
 use std::sync::atomic::Ordering::SeqCst;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tokio::sync::{broadcast, mpsc};
+use tokio::sync::mpsc;
 
 const WAIT: Duration = Duration::from_secs(30);
 
@@ -51,50 +51,23 @@ const WAIT: Duration = Duration::from_secs(30);
 // Helpers: devices, hubs, events (as in tests/lane.rs)
 // ---------------------------------------------------------------------------
 
-/// Every event of one device, collected by a task as they come.
+/// Every event of one device since it opened.
 struct Watch {
-    events: Arc<Mutex<Vec<Event>>>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl Drop for Watch {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
+    log: EventLog,
 }
 
 impl Watch {
-    /// Collect `d`'s events. Made right after a device opens, it holds
-    /// every event since the open (the first receiver does).
+    /// `d`'s events since its latest open (or reopen).
     fn new(d: &TestDevice) -> Self {
-        let mut rx = d.events();
-        let events = Arc::new(Mutex::new(Vec::new()));
-        let out = events.clone();
-        let task = tokio::spawn(async move {
-            loop {
-                match rx.recv().await {
-                    Ok(e) => out.lock().unwrap().push(e),
-                    Err(broadcast::error::RecvError::Lagged(n)) => {
-                        panic!("event receiver lagged by {n}")
-                    }
-                    Err(broadcast::error::RecvError::Closed) => return,
-                }
-            }
-        });
-        Self { events, task }
+        Self { log: d.event_log() }
     }
 
     fn snapshot(&self) -> Vec<Event> {
-        self.events.lock().unwrap().clone()
+        self.log.snapshot()
     }
 
     fn count(&self, pred: impl Fn(&Event) -> bool) -> usize {
-        self.events
-            .lock()
-            .unwrap()
-            .iter()
-            .filter(|e| pred(e))
-            .count()
+        self.snapshot().iter().filter(|e| pred(e)).count()
     }
 
     /// Wait until `pred` holds for some event, or fail after `WAIT`.

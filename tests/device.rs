@@ -1,18 +1,17 @@
 //! The device side end to end: real hubs over loopback, real devices in
 //! temporary directories.
 
-use hubsync::device::{Event, GroupId};
+use hubsync::device::{Event, EventStream, GroupId};
 use hubsync::testkit::{TestDevice, TestHub};
 use hubsync::wire::DeviceId;
 use std::collections::HashMap;
 use std::time::Duration;
-use tokio::sync::broadcast;
 
 const WAIT: Duration = Duration::from_secs(20);
 
 /// Collects a device's message events as they come.
 struct Inbox {
-    rx: broadcast::Receiver<Event>,
+    rx: EventStream,
     got: HashMap<[u8; 16], (DeviceId, Vec<u8>, u32)>,
     events: Vec<Event>,
 }
@@ -44,9 +43,9 @@ impl Inbox {
         let deadline = tokio::time::Instant::now() + WAIT;
         while !pred(self) {
             match tokio::time::timeout_at(deadline, self.rx.recv()).await {
-                Ok(Ok(e)) => self.take(e),
-                Ok(Err(broadcast::error::RecvError::Lagged(n))) => panic!("lagged by {n} events"),
-                Ok(Err(e)) => panic!("event channel closed: {e}"),
+                Ok(Some(Ok(e))) => self.take(e),
+                Ok(Some(Err(lag))) => panic!("{lag}"),
+                Ok(None) => panic!("event channel closed"),
                 Err(_) => panic!(
                     "timed out waiting for {what}; have {} messages",
                     self.got.len()
@@ -58,7 +57,7 @@ impl Inbox {
     /// Drain what arrives in the next `d`.
     async fn settle(&mut self, d: Duration) {
         let deadline = tokio::time::Instant::now() + d;
-        while let Ok(Ok(e)) = tokio::time::timeout_at(deadline, self.rx.recv()).await {
+        while let Ok(Some(Ok(e))) = tokio::time::timeout_at(deadline, self.rx.recv()).await {
             self.take(e);
         }
     }
@@ -722,4 +721,60 @@ async fn a_forgotten_group_is_gone_here_only() {
         b.groups().unwrap().is_empty(),
         "still forgotten after a reopen"
     );
+}
+
+/// Every subscription gets every event from the moment it subscribed, as a
+/// `Stream`; none is special (the first no more than a later one), and
+/// none holds events from before it was made.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_event_subscription_gets_the_same_events_from_when_it_subscribed() {
+    use futures::StreamExt;
+    let hubs = hubs(1).await;
+    let u = urls(&hubs);
+    let a = TestDevice::open(&u).await.unwrap();
+    let mut b = TestDevice::open(&u).await.unwrap();
+    let mut first = Inbox::new(&b);
+    let g = group_of(&a, &mut [(&b, &mut first)], &u).await;
+    // Subscribed after the Welcome: it must not see the join.
+    let mut second = b.events();
+    let mut third = b.events();
+    a.send(g, b"after both subscribed").await.unwrap();
+    first
+        .until("the message", |i| {
+            i.got
+                .values()
+                .any(|(_, body, _)| body == b"after both subscribed")
+        })
+        .await;
+    let mut later = Vec::new();
+    for stream in [&mut second, &mut third] {
+        let mut seen = Vec::new();
+        loop {
+            let e = tokio::time::timeout(WAIT, stream.next())
+                .await
+                .expect("an event in time")
+                .expect("the device is open")
+                .expect("no lag");
+            let done = matches!(&e, Event::MessageReceived { body, .. } if body == b"after both subscribed");
+            seen.push(e);
+            if done {
+                break;
+            }
+        }
+        later.push(seen);
+    }
+    assert_eq!(later[0], later[1], "two later subscriptions differ");
+    for seen in &later {
+        assert!(
+            !seen.iter().any(|e| matches!(e, Event::GroupJoined { .. })),
+            "a later subscription saw an event from before it: {seen:?}"
+        );
+        // What the later ones saw, the first saw too, in the same order.
+        let tail = &first.events[first.events.len() - seen.len()..];
+        assert_eq!(tail, &seen[..]);
+    }
+    // The stream ends when the device closes.
+    b.close().await;
+    let end = tokio::time::timeout(WAIT, async { while second.next().await.is_some() {} }).await;
+    assert!(end.is_ok(), "the stream did not end with the device");
 }

@@ -13,16 +13,16 @@ use hubsync::device::{CommitError, CommitKind, Event, GroupId};
 use hubsync::hub::Limits;
 use hubsync::kv::KvStore;
 use hubsync::testkit::{
-    device_options, open_sled, signing_key, FaultyKv, Gate, GatedConnector, TestDevice, TestHub,
+    device_options, open_sled, signing_key, EventLog, FaultyKv, Gate, GatedConnector, TestDevice,
+    TestHub,
 };
 use hubsync::wire::{
     DeviceId, ExpectedHead, HubError, Publish, PublishId, PublishOutcome, RetentionClass, TopicId,
 };
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::broadcast;
 
 const WAIT: Duration = Duration::from_secs(20);
 
@@ -30,51 +30,31 @@ const WAIT: Duration = Duration::from_secs(20);
 // Helpers
 // ---------------------------------------------------------------------------
 
-/// Every event of one device, collected by a task as they come, so that
+/// Every event of one device since it opened, so that
 /// several waits (even concurrent ones) can look at them.
 struct Watch {
-    events: Arc<Mutex<Vec<Event>>>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl Drop for Watch {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
+    log: EventLog,
 }
 
 impl Watch {
-    /// Collect `d`'s events. Made right after a device opens, it holds
-    /// every event since the open (the first receiver does).
+    /// `d`'s events since its latest open (or reopen).
     fn new(d: &TestDevice) -> Self {
-        let mut rx = d.events();
-        let events = Arc::new(Mutex::new(Vec::new()));
-        let out = events.clone();
-        let task = tokio::spawn(async move {
-            loop {
-                match rx.recv().await {
-                    Ok(e) => out.lock().unwrap().push(e),
-                    Err(broadcast::error::RecvError::Lagged(n)) => {
-                        panic!("event receiver lagged by {n}")
-                    }
-                    Err(broadcast::error::RecvError::Closed) => return,
-                }
-            }
-        });
-        Self { events, task }
+        Self { log: d.event_log() }
+    }
+
+    /// `d`'s events from now on.
+    fn from_now(d: &TestDevice) -> Self {
+        Self {
+            log: d.event_log().from_now(),
+        }
     }
 
     fn snapshot(&self) -> Vec<Event> {
-        self.events.lock().unwrap().clone()
+        self.log.snapshot()
     }
 
     fn count(&self, pred: impl Fn(&Event) -> bool) -> usize {
-        self.events
-            .lock()
-            .unwrap()
-            .iter()
-            .filter(|e| pred(e))
-            .count()
+        self.snapshot().iter().filter(|e| pred(e)).count()
     }
 
     /// Wait until `pred` holds for some event, or fail after `WAIT`.
@@ -796,7 +776,7 @@ async fn frames_from_strangers_and_removed_members_are_skipped_and_strand_nobody
     let (e, _) = agree(&[&a, &b], g).await;
     assert_eq!(e, c_epoch + 1);
     // Fresh watches: sequence numbers start again on the new topic.
-    let (wa2, wb2) = (Watch::new(&a), Watch::new(&b));
+    let (wa2, wb2) = (Watch::from_now(&a), Watch::from_now(&b));
     let leaked = writer_of(&a, g);
     assert_ne!(leaked.topic(), c_writer.topic(), "the remove moved the log");
     let removed = hubs[0].client(&c_key).await.unwrap();
@@ -1678,6 +1658,53 @@ async fn a_member_whose_ledger_is_incomplete_gathers_it_and_then_commits() {
     agree(&[&a, &b], g).await;
 }
 
+/// A member that missed settings catches up on them: the members restate
+/// them as the whole ledger, a lying member's restatement is refused, and
+/// exactly the settings it lacked land, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn policy_catchup_lands_the_missed_settings_and_refuses_a_liar() {
+    let hubs = hubs(1).await;
+    let u = urls(&hubs);
+    let a = TestDevice::open(&u).await.unwrap();
+    let (b, c) = (
+        TestDevice::open(&u).await.unwrap(),
+        TestDevice::open(&u).await.unwrap(),
+    );
+    let (wb, wc) = (Watch::new(&b), Watch::new(&c));
+    let g = group_of(&a, &[(&b, &wb)], &u).await;
+    a.set_setting(g, "topic", b"v1").await.unwrap();
+    a.set_setting(g, "self.name", b"alice").await.unwrap();
+    // c's Welcome leaves off both settings and c's own invite.
+    group_with_member_short_by(&a, g, &c, &wc, 3).await;
+    converge(&[&a, &b, &c], g).await;
+    let before = c.settings(g).unwrap();
+    assert!(!before.group.contains_key("topic"), "{before:?}");
+
+    // b restates a truncated ledger; a answers later, honestly.
+    b.manager().faults().lying_ledger.store(2, SeqCst);
+    a.manager().faults().answer_delay_ms.store(500, SeqCst);
+    let got = c.request_policy_catchup(g).await.unwrap();
+    assert_eq!(got.log_unread, None, "{got:?}");
+    assert_eq!(got.ledger.installed_from, Some(a.id()), "{got:?}");
+    assert_eq!(
+        got.ledger
+            .refused
+            .iter()
+            .map(|(who, _)| *who)
+            .collect::<Vec<_>>(),
+        vec![b.id()],
+        "{got:?}"
+    );
+    assert_eq!(got.landed, 2, "the group's topic and a's name: {got:?}");
+    assert_eq!(c.settings(g).unwrap(), a.settings(g).unwrap());
+    assert_eq!(c.ledger(g).unwrap(), a.ledger(g).unwrap());
+
+    // Nothing is missing now: nothing more lands, nobody is asked.
+    let again = c.request_policy_catchup(g).await.unwrap();
+    assert_eq!(again.landed, 0, "{again:?}");
+    assert!(again.ledger.already_complete, "{again:?}");
+}
+
 /// Two members lie (one reorders the ledger, one truncates it): both answers
 /// are refused, never merged, and the ledger stays incomplete; the honest
 /// answer of another member is installed, and the ledger then holds every
@@ -2055,15 +2082,22 @@ async fn a_stranded_member_rejoins_before_it_sends_or_sends_nothing() {
 
 /// `invite` `c` into `g` with a Welcome whose ledger is short.
 async fn group_with_incomplete_member_in(a: &TestDevice, g: GroupId, c: &TestDevice, wc: &Watch) {
-    a.manager()
-        .faults()
-        .short_welcome_ledger
-        .store(true, SeqCst);
+    group_with_member_short_by(a, g, c, wc, 1).await;
+}
+
+/// Invite `c` into `g` with a Welcome whose ledger leaves off the last
+/// `short_by` entries.
+async fn group_with_member_short_by(
+    a: &TestDevice,
+    g: GroupId,
+    c: &TestDevice,
+    wc: &Watch,
+    short_by: usize,
+) {
+    let faults = a.manager().faults();
+    faults.welcome_ledger_short_by.store(short_by, SeqCst);
     invite_with_retry(a, g, c.id()).await;
-    a.manager()
-        .faults()
-        .short_welcome_ledger
-        .store(false, SeqCst);
+    faults.welcome_ledger_short_by.store(0, SeqCst);
     wc.until(
         "the welcome",
         |ev| matches!(ev, Event::GroupJoined { group, .. } if *group == g),

@@ -236,16 +236,16 @@ async fn garbage_instead_of_a_client_hello_does_not_panic_the_hub() {
 
 /// Wait for an event matching `pred`.
 async fn until_event(
-    rx: &mut tokio::sync::broadcast::Receiver<Event>,
+    rx: &mut hubsync::device::EventStream,
     what: &str,
     pred: impl Fn(&Event) -> bool,
 ) {
     let deadline = tokio::time::Instant::now() + WAIT;
     loop {
         match tokio::time::timeout_at(deadline, rx.recv()).await {
-            Ok(Ok(e)) if pred(&e) => return,
-            Ok(Ok(_)) | Ok(Err(tokio::sync::broadcast::error::RecvError::Lagged(_))) => {}
-            Ok(Err(e)) => panic!("event channel closed: {e}"),
+            Ok(Some(Ok(e))) if pred(&e) => return,
+            Ok(Some(_)) => {}
+            Ok(None) => panic!("event channel closed"),
             Err(_) => panic!("timed out waiting for {what}"),
         }
     }

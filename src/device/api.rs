@@ -13,8 +13,8 @@
 use super::control::{LeaveOutcome, Settings};
 use super::directory::HubDirectory;
 use super::error::DeviceError;
-use super::events::Event;
-use super::gather::LedgerCatchupSummary;
+use super::events::EventStream;
+use super::gather::{LedgerCatchupSummary, PolicyCatchupSummary};
 use super::identity::DeviceIdentity;
 use super::inbox::{InboxMessage, InboxStatus};
 use super::lane::{CommitError, LaneResult};
@@ -34,7 +34,6 @@ use crate::wire::DeviceId;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::broadcast;
 
 /// How a device is opened.
 #[derive(Clone)]
@@ -460,6 +459,22 @@ impl Device {
         self.manager.request_ledger_catchup(group, deadline).await
     }
 
+    /// Bring this device's view of the group's settings up to what the
+    /// group enacted (rejoining first when stranded, then reading the
+    /// commit log, then gathering the ledger when it is incomplete, waiting
+    /// at most `ManagerConfig::gather_deadline`); the summary says how many
+    /// settings landed.
+    ///
+    /// # Errors
+    /// See [`GroupPeerManager::request_policy_catchup`].
+    pub async fn request_policy_catchup(
+        &self,
+        group: GroupId,
+    ) -> Result<PolicyCatchupSummary, DeviceError> {
+        let deadline = self.manager.shared.config.gather_deadline;
+        self.manager.request_policy_catchup(group, deadline).await
+    }
+
     /// Rejoin a group that moved on without this device (it is stranded:
     /// offline past the commit log's depth, or on the losing side of a
     /// fork) by external commit through a member's GroupInfo, then gather
@@ -502,8 +517,10 @@ impl Device {
         self.manager.forget_group(group).await
     }
 
-    /// Events: messages, membership, epochs, hub status.
-    pub fn events(&self) -> broadcast::Receiver<Event> {
+    /// A new subscription to the device's events (messages, membership,
+    /// epochs, hub status): every event from now on, as a `Stream` (see
+    /// [`EventStream`]). Every subscription gets the same events.
+    pub fn events(&self) -> EventStream {
         self.manager.events()
     }
 

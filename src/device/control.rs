@@ -592,12 +592,9 @@ impl GroupPeerManager {
         let mut nonce = [0u8; 12];
         self.shared.rng.fill(&mut nonce);
         let faults = &self.shared.faults;
-        let list = if faults.short_welcome_ledger.load(Ordering::Relaxed) {
-            let short = ledger_entries.len().saturating_sub(1);
-            ledger::encode_list(&ledger_entries[..short])
-        } else {
-            ledger::encode_list(ledger_entries)
-        };
+        let short_by = faults.welcome_ledger_short_by.load(Ordering::Relaxed);
+        let kept = ledger_entries.len().saturating_sub(short_by);
+        let list = ledger::encode_list(&ledger_entries[..kept]);
         let sealed =
             ledger::seal(crypto, &key, nonce, &rec.id.0, &list).map_err(CommitError::Ledger)?;
         let env = WelcomeEnvelope {

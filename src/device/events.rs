@@ -1,5 +1,12 @@
 //! What a device tells its app.
 
+use std::pin::Pin;
+use std::task::{ready, Context, Poll};
+
+use futures::Stream;
+use tokio::sync::broadcast;
+use tokio_util::sync::ReusableBoxFuture;
+
 use super::lane::{CommitError, CommitKind, SkipReason};
 use super::records::GroupId;
 use crate::wire::DeviceId;
@@ -7,10 +14,11 @@ use crate::wire::DeviceId;
 /// The status of one hub connection, as events report it.
 pub use super::link::LinkStatus;
 
-/// Something that happened on a device. Events go out on a broadcast
-/// channel: a receiver that falls more than its capacity behind misses the
-/// oldest ones (it sees `Lagged`), and the device's state is always the
-/// source of truth.
+/// Something that happened on a device. Every [`EventStream`] gets every
+/// event from the moment it subscribed; one that falls more than the
+/// channel's capacity behind misses the oldest and is told how many
+/// ([`EventsLagged`]). The device's state (and, for messages, its durable
+/// inbox) is always the source of truth.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Event {
     /// This device joined a group (created it or accepted a Welcome).
@@ -205,4 +213,105 @@ pub enum Event {
         /// Its new status.
         status: LinkStatus,
     },
+}
+
+/// A subscription to a device's events, from
+/// [`Device::events`](super::Device::events): a [`Stream`] of every event
+/// emitted after it was made, in order. Every subscription behaves the same;
+/// none holds events from before it was made (an app that needs those sets
+/// [`ManagerConfig::observer`](super::ManagerConfig::observer) before it opens
+/// the device; messages wait in the durable inbox anyway). The stream ends
+/// when the device closes.
+pub struct EventStream {
+    next: ReusableBoxFuture<'static, Received>,
+}
+
+/// One receive and the receiver it came from, so the next one reuses it.
+type Received = (
+    Result<Event, broadcast::error::RecvError>,
+    broadcast::Receiver<Event>,
+);
+
+async fn receive(mut rx: broadcast::Receiver<Event>) -> Received {
+    let got = rx.recv().await;
+    (got, rx)
+}
+
+/// A subscriber fell more than the channel's capacity behind: `missed`
+/// events (the oldest) are gone for it. What they said is in the device's
+/// state and inbox.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("event subscriber fell behind: {missed} events missed")]
+pub struct EventsLagged {
+    /// How many events this subscriber missed.
+    pub missed: u64,
+}
+
+impl EventStream {
+    pub(super) fn new(rx: broadcast::Receiver<Event>) -> Self {
+        Self {
+            next: ReusableBoxFuture::new(receive(rx)),
+        }
+    }
+
+    /// The next event, `Err` when some were missed, `None` once the device
+    /// closed. Cancel-safe: dropping the future loses nothing.
+    pub async fn recv(&mut self) -> Option<Result<Event, EventsLagged>> {
+        futures::StreamExt::next(self).await
+    }
+
+    /// The next event if one is waiting now, without waiting; `None` when
+    /// none is (or the device closed).
+    pub fn try_recv(&mut self) -> Option<Result<Event, EventsLagged>> {
+        futures::FutureExt::now_or_never(self.recv()).flatten()
+    }
+}
+
+impl Stream for EventStream {
+    type Item = Result<Event, EventsLagged>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let (got, rx) = ready!(self.next.poll(cx));
+        self.next.set(receive(rx));
+        Poll::Ready(match got {
+            Ok(e) => Some(Ok(e)),
+            Err(broadcast::error::RecvError::Lagged(missed)) => Some(Err(EventsLagged { missed })),
+            Err(broadcast::error::RecvError::Closed) => None,
+        })
+    }
+}
+
+impl std::fmt::Debug for EventStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("EventStream")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn joined(epoch: u64) -> Event {
+        Event::GroupJoined {
+            group: GroupId([7; 32]),
+            epoch,
+        }
+    }
+
+    /// A subscriber that falls behind is told how many it missed, then
+    /// goes on with what is left; the stream ends when the sender goes.
+    #[tokio::test]
+    async fn a_lagging_subscriber_is_told_how_many_it_missed() {
+        let (tx, _) = broadcast::channel(2);
+        let mut s = EventStream::new(tx.subscribe());
+        for epoch in 0..5 {
+            tx.send(joined(epoch)).unwrap();
+        }
+        assert_eq!(s.recv().await, Some(Err(EventsLagged { missed: 3 })));
+        assert_eq!(s.recv().await, Some(Ok(joined(3))));
+        assert_eq!(s.try_recv(), Some(Ok(joined(4))));
+        assert_eq!(s.try_recv(), None);
+        drop(tx);
+        assert_eq!(s.recv().await, None);
+    }
 }

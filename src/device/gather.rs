@@ -74,6 +74,19 @@ impl LedgerCatchupSummary {
     }
 }
 
+/// What a policy catch-up did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PolicyCatchupSummary {
+    /// Settings (group-wide and members' own) that hold a newer value now
+    /// than before the catch-up, or that are new.
+    pub landed: usize,
+    /// Why the group's commit log could not be read to its end (settings
+    /// enacted there may still be missing), if it could not.
+    pub log_unread: Option<String>,
+    /// The ledger gather it ran (`already_complete` when none was needed).
+    pub ledger: LedgerCatchupSummary,
+}
+
 /// One answer as the requester receives it.
 pub(super) struct Answer {
     pub from: DeviceId,
@@ -125,6 +138,59 @@ impl GroupPeerManager {
         deadline: Duration,
     ) -> Result<LedgerCatchupSummary, DeviceError> {
         self.gather(group, deadline, false).await
+    }
+
+    /// Bring this device's view of the group's settings up to what the
+    /// group enacted, and answer how many landed. Settings are ledger
+    /// entries: a value counts only once a commit enacted it, so members
+    /// restate theirs the one way a restatement can be checked, as the
+    /// whole ledger reproducing the head MLS authenticates. A member that
+    /// restated single settings could replay one its author has since
+    /// overwritten, or one whose author has lost the right to write it,
+    /// and nothing could tell. So: a stranded device rejoins first; then
+    /// the commit log is read to its end (what was enacted there lands
+    /// through the normal path); then, if the ledger is still incomplete,
+    /// the members are asked for it as in
+    /// [`request_ledger_catchup`](Self::request_ledger_catchup).
+    ///
+    /// # Errors
+    /// `UnknownGroup`, `Stranded` when the rejoin did not help, MLS or store
+    /// errors. An unreadable commit log or no fitting answer is not an
+    /// error: the summary says so.
+    pub async fn request_policy_catchup(
+        &self,
+        group: GroupId,
+        deadline: Duration,
+    ) -> Result<PolicyCatchupSummary, DeviceError> {
+        self.rejoin_if_stranded(group).await?;
+        let before = self.settings(group)?;
+        let log_unread = match self.pull(group).await {
+            Ok(()) => None,
+            Err(super::lane::PullError::UnknownGroup(g)) => {
+                return Err(DeviceError::UnknownGroup(g))
+            }
+            Err(e) => Some(e.to_string()),
+        };
+        let ledger = self.gather(group, deadline, false).await?;
+        let after = self.settings(group)?;
+        let newer = |old: Option<&super::ledger::Setting>, new: &super::ledger::Setting| {
+            old.is_none_or(|o| (new.ord, new.id) > (o.ord, o.id))
+        };
+        let landed = after
+            .group
+            .iter()
+            .filter(|(k, v)| newer(before.group.get(*k), v))
+            .count()
+            + after
+                .members
+                .iter()
+                .filter(|(k, v)| newer(before.members.get(*k), v))
+                .count();
+        Ok(PolicyCatchupSummary {
+            landed,
+            log_unread,
+            ledger,
+        })
     }
 
     /// [`request_ledger_catchup`](Self::request_ledger_catchup); with

@@ -8,7 +8,7 @@
 
 use super::directory::HubDirectory;
 use super::error::DeviceError;
-use super::events::Event;
+use super::events::{Event, EventStream};
 use super::frames::WelcomeEnvelope;
 use super::identity::DeviceIdentity;
 use super::inbox::{Inbox, InboxConfig};
@@ -241,9 +241,6 @@ pub(super) struct Shared {
     pub peers: Mutex<BTreeMap<(GroupId, String), GroupPeer>>,
     pub topics: Mutex<BTreeMap<GroupId, watch::Sender<GroupTopics>>>,
     pub events: broadcast::Sender<Event>,
-    /// The receiver made with the channel, handed to the first caller of
-    /// `events()`, so events from before the app asked are not lost.
-    pub first_events: Mutex<Option<broadcast::Receiver<Event>>>,
     /// The device's own hubs: their links stay even when no group uses them.
     pub own_hubs: Mutex<Vec<String>>,
     /// Per own hub: `Ok` once key packages are stocked there, else the last
@@ -284,9 +281,9 @@ pub struct Faults {
     pub lying_ledger: std::sync::atomic::AtomicU8,
     /// Wait this many milliseconds before answering a ledger request.
     pub answer_delay_ms: AtomicU64,
-    /// Seal a Welcome's ledger snapshot without its last entry, so the
-    /// joiner's ledger is incomplete.
-    pub short_welcome_ledger: std::sync::atomic::AtomicBool,
+    /// Seal a Welcome's ledger snapshot without its last this many
+    /// entries, so the joiner's ledger is incomplete.
+    pub welcome_ledger_short_by: std::sync::atomic::AtomicUsize,
 }
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -374,7 +371,7 @@ impl GroupPeerManager {
         rng: SharedRng,
         clock: Clock,
     ) -> Self {
-        let (events, first_events) = broadcast::channel(EVENT_CAPACITY);
+        let (events, _) = broadcast::channel(EVENT_CAPACITY);
         let loopback_url = super::loopback::loopback_url(&identity.id());
         Self {
             shared: Arc::new(Shared {
@@ -401,7 +398,6 @@ impl GroupPeerManager {
                 peers: Mutex::new(BTreeMap::new()),
                 topics: Mutex::new(BTreeMap::new()),
                 events,
-                first_events: Mutex::new(Some(first_events)),
                 own_hubs: Mutex::new(Vec::new()),
                 stocked: watch::Sender::new(BTreeMap::new()),
                 counters: Counters::default(),
@@ -438,14 +434,10 @@ impl GroupPeerManager {
         Ok(())
     }
 
-    /// The event channel. The first receiver handed out holds every event
-    /// since the device opened (up to the channel's capacity); later ones
-    /// start now. A receiver more than the capacity behind sees `Lagged`.
-    pub fn events(&self) -> broadcast::Receiver<Event> {
-        match lock(&self.shared.first_events).take() {
-            Some(rx) => rx,
-            None => self.shared.events.subscribe(),
-        }
+    /// A new subscription to the device's events: every event from now on
+    /// (see [`EventStream`]).
+    pub fn events(&self) -> EventStream {
+        EventStream::new(self.shared.events.subscribe())
     }
 
     pub(super) fn emit(&self, e: Event) {

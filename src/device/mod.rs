@@ -31,8 +31,8 @@ pub mod topics;
 pub use api::{Device, DeviceOptions};
 pub use control::{LeaveOutcome, Settings};
 pub use error::DeviceError;
-pub use events::Event;
-pub use gather::LedgerCatchupSummary;
+pub use events::{Event, EventStream, EventsLagged};
+pub use gather::{LedgerCatchupSummary, PolicyCatchupSummary};
 pub use inbox::{InboxConfig, InboxMessage, InboxStatus};
 pub use lane::{CommitError, CommitKind, CommitReport, LaneResult, LostCommit};
 pub use manager::{

@@ -13,7 +13,6 @@ use super::manager::{FutureFrames, GroupPeerManager, GroupTopics};
 use super::mls;
 use super::records::{GroupId, GroupRecord};
 use super::registry::{GroupGuard, OpProvider};
-use super::rejoin::RejoinResult;
 use super::topics;
 use crate::kv::WriteBatch;
 use crate::wire::{DeviceId, TopicId};
@@ -899,24 +898,9 @@ impl GroupPeerManager {
         body: &[u8],
         wait: bool,
     ) -> Result<Sent, DeviceError> {
-        if self.record(group)?.stranded {
-            // The others cannot read what this device would encrypt in an
-            // epoch they left: rejoin first, then encrypt in theirs.
-            let why = match self.rejoin_group(group).await? {
-                RejoinResult::Recovered { .. } | RejoinResult::NotNeeded => None,
-                // Taken as its removal: the group is gone here.
-                RejoinResult::NotAMember { removed: true, .. } => {
-                    return Err(DeviceError::UnknownGroup(group))
-                }
-                RejoinResult::NotAMember { refused_by, .. } => Some(format!(
-                    "members say this device is not in the group: {refused_by:?}"
-                )),
-                RejoinResult::RecoveryFailed { reason } => Some(reason),
-            };
-            if let Some(reason) = why {
-                return Err(DeviceError::Stranded { group, reason });
-            }
-        }
+        // The others cannot read what this device would encrypt in an epoch
+        // they left: rejoin first, then encrypt in theirs.
+        self.rejoin_if_stranded(group).await?;
         self.broadcast_with(group, body, &[], wait).await
     }
 

@@ -303,6 +303,30 @@ fn mls_err(e: impl std::fmt::Debug) -> String {
 }
 
 impl GroupPeerManager {
+    /// When this device is stranded in `group`, rejoin it first.
+    ///
+    /// # Errors
+    /// `Stranded` when the rejoin did not help (with why), `UnknownGroup`
+    /// when the members' refusals were taken as this device's removal, or
+    /// the rejoin's own errors.
+    pub(super) async fn rejoin_if_stranded(&self, group: GroupId) -> Result<(), DeviceError> {
+        if !self.record(group)?.stranded {
+            return Ok(());
+        }
+        let reason = match self.rejoin_group(group).await? {
+            RejoinResult::Recovered { .. } | RejoinResult::NotNeeded => return Ok(()),
+            // Taken as its removal: the group is gone here.
+            RejoinResult::NotAMember { removed: true, .. } => {
+                return Err(DeviceError::UnknownGroup(group))
+            }
+            RejoinResult::NotAMember { refused_by, .. } => {
+                format!("members say this device is not in the group: {refused_by:?}")
+            }
+            RejoinResult::RecoveryFailed { reason } => reason,
+        };
+        Err(DeviceError::Stranded { group, reason })
+    }
+
     /// Rejoin `group` by external commit through a member's GroupInfo
     /// (the module docs say how), then gather the ledger and issue again
     /// this device's own entries the group lacks. Gives up at
