@@ -3,7 +3,7 @@
 //! 3, 4 and 9). Each test states one behaviour and checks its outcome:
 //! epochs, epoch authenticators, ledgers, cursors, events, hub logs.
 
-use hubsync::client::ClientError;
+use hubsync::client::{ClientError, Push};
 use hubsync::device::identity::DeviceIdentity;
 use hubsync::device::lane::{SkipReason, LOOPBACK_HUB};
 use hubsync::device::ledger::{EntryType, LedgerError};
@@ -2160,6 +2160,93 @@ async fn the_loser_of_a_fork_rejoins_and_its_lost_entry_is_issued_again_once() {
     entries_once(&b, g);
     message_reaches(&a, &[&wb], g, b"after the fork").await;
     message_reaches(&b, &[&wa], g, b"reply").await;
+}
+
+/// Refusals count only when a member of the requester's view signed them:
+/// someone who learned the rendezvous topic (a leaked seed) and forges
+/// refusals in the members' names, or refuses in its own, cannot make a
+/// member forget its group.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forged_rejoin_refusals_make_nobody_forget_its_group() {
+    use ed25519_dalek::Signer;
+    use hubsync::device::rejoin::{RejoinRefusal, RendezvousFrame};
+    let hubs = hubs(1).await;
+    let u = urls(&hubs);
+    let mut a = TestDevice::open(&u).await.unwrap();
+    let mut ob = device_options(&u);
+    ob.manager.rejoin_deadline = Duration::from_secs(4);
+    let b = TestDevice::open_with(ob).await.unwrap();
+    let mut c = TestDevice::open(&u).await.unwrap();
+    let (wb, wc) = (Watch::new(&b), Watch::new(&c));
+    // b's ledger is short, so a rejoin has work to do.
+    let g = group_with_incomplete_member(&a, &[(&c, &wc)], &b, &wb, &u).await;
+    let (e, _) = agree(&[&a, &c], g).await;
+    wait_epoch(&b, g, e).await;
+    let seed = b.manager().record(g).unwrap().rendezvous_seed.expect("a seed");
+    let topic = hubsync::device::topics::rendezvous_topic(&seed);
+    let names_of_members = [a.id(), c.id()];
+    // The members who could answer are away.
+    a.close().await;
+    c.close().await;
+
+    let key = signing_key(4343);
+    let forger = DeviceId(key.verifying_key().to_bytes());
+    let client = hubs[0].client(&key).await.unwrap();
+    let names = [names_of_members[0], names_of_members[1], forger];
+    let bid = b.id();
+    // The mailbox reaches those subscribed when a frame is posted.
+    client.subscribe(&topic, None).await.unwrap();
+    let mut pushes = client.take_pushes().expect("the push stream");
+    client.receive(0).await.unwrap();
+    let forging = tokio::spawn(async move {
+        let mut posted = 0;
+        let request = loop {
+            let push = tokio::time::timeout(WAIT, pushes.recv())
+                .await
+                .expect("b's request in time")
+                .expect("push stream open");
+            let Push::Delivery(d) = push else { continue };
+            client.ack(vec![d.id]).await.unwrap();
+            if let Ok(RendezvousFrame::Request(r)) = postcard::from_bytes(&d.payload) {
+                if r.device == bid {
+                    break r;
+                }
+            }
+        };
+        for (n, from) in names.into_iter().enumerate() {
+            let mut refusal = RejoinRefusal {
+                group: request.group,
+                nonce: request.nonce,
+                to: request.device,
+                from,
+                signature: Vec::new(),
+            };
+            refusal.signature = key.sign(&refusal.signed_bytes()).to_bytes().to_vec();
+            let mut p = unsigned_publish(
+                &topic,
+                900 + n as u64,
+                postcard::to_stdvec(&RendezvousFrame::Refusal(refusal)).unwrap(),
+            );
+            p.class = RetentionClass::Mailbox;
+            p.retention_secs = Some(60);
+            accepted_seq(client.publish(p).await.unwrap());
+            posted += 1;
+        }
+        posted
+    });
+    let r = b.rejoin_group(g).await.unwrap();
+    assert_eq!(forging.await.unwrap(), 3, "every forged refusal was posted");
+    assert!(
+        matches!(r, hubsync::device::RejoinResult::RecoveryFailed { .. }),
+        "no forged refusal counts: {r:?}"
+    );
+    assert!(
+        !wb.snapshot()
+            .iter()
+            .any(|ev| matches!(ev, Event::Removed { group } if *group == g)),
+        "b forgot its group"
+    );
+    assert_eq!(b.epoch(g).await.unwrap(), e, "b keeps its group");
 }
 
 /// With every other member offline, a rejoin gives up at its deadline and

@@ -229,7 +229,8 @@ pub enum RejoinResult {
     /// it (it was removed). Nothing changed on this device unless
     /// `removed`.
     NotAMember {
-        /// The members that said so (each signed its refusal).
+        /// The members of this device's view that said so (each signed its
+        /// refusal); refusals signed by anyone else are not counted.
         refused_by: Vec<DeviceId>,
         /// Whether this device took it as its removal: more than half of
         /// the other members of its own (stale) view refused, and none
@@ -353,7 +354,7 @@ impl GroupPeerManager {
         };
         let (answered_by, epoch, seq) = match joined {
             Ok(j) => j,
-            Err(refused) if !refused.is_empty() => {
+            Err(refused) => {
                 let me = self.shared.identity.id();
                 let mut guard = self.shared.registry.lock(group).await;
                 let others: BTreeSet<DeviceId> = self
@@ -361,8 +362,21 @@ impl GroupPeerManager {
                     .into_iter()
                     .filter(|d| *d != me)
                     .collect();
-                let removed =
-                    refused.iter().filter(|d| others.contains(d)).count() * 2 > others.len();
+                // A refusal says something only from a member of this
+                // device's view: anyone who learned the rendezvous topic
+                // can sign one in its own name.
+                let refused: BTreeSet<DeviceId> = refused.intersection(&others).copied().collect();
+                if refused.is_empty() {
+                    drop(guard);
+                    let reason = "no member answered before the deadline".to_string();
+                    self.emit(Event::RecoveryFailed {
+                        group,
+                        remedy: super::Remedy::Rejoin,
+                        reason: reason.clone(),
+                    });
+                    return Ok(RejoinResult::RecoveryFailed { reason });
+                }
+                let removed = refused.len() * 2 > others.len();
                 if removed {
                     tracing::info!(%group, ?refused, "most members refused the rejoin: removed");
                     self.leave(&mut guard, group).await?;
@@ -377,15 +391,6 @@ impl GroupPeerManager {
                     refused_by: refused.into_iter().collect(),
                     removed,
                 });
-            }
-            Err(_) => {
-                let reason = "no member answered before the deadline".to_string();
-                self.emit(Event::RecoveryFailed {
-                    group,
-                    remedy: super::Remedy::Rejoin,
-                    reason: reason.clone(),
-                });
-                return Ok(RejoinResult::RecoveryFailed { reason });
             }
         };
         tracing::info!(%group, epoch, seq, member = %answered_by, "rejoined by external commit");
