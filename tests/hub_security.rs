@@ -143,6 +143,70 @@ async fn a_stranger_cannot_read_a_device_mailbox_while_the_owner_gets_its_posts(
         .expect("only the 33-byte form is reserved");
 }
 
+/// A device's mailbox holds posts for it even where it never subscribed (a
+/// hub restored from a backup lost its subscription, say): a Welcome posted
+/// before its owner comes reaches it when it does, and only it. The owner's
+/// queue quota bounds what a stranger can pile up there: past it, posts are
+/// dropped for the owner, counted, and stored nowhere.
+#[tokio::test]
+async fn a_device_mailbox_holds_posts_for_an_owner_that_never_subscribed() {
+    let hub = TestHub::start_with(|c| {
+        c.limits = Limits::unthrottled();
+        c.limits.max_queued_deliveries = 2;
+    })
+    .await
+    .unwrap();
+    let stranger = hub.client(&signing_key(2)).await.unwrap();
+    let owner_key = signing_key(1);
+    let inbox = TopicId::mailbox(&hubsync::wire::DeviceId(
+        owner_key.verifying_key().to_bytes(),
+    ));
+    for (id, body) in [(1, &b"welcome"[..]), (2, b"second"), (3, b"one too many")] {
+        assert!(matches!(
+            stranger
+                .publish(mailbox_post(&inbox, id, body))
+                .await
+                .unwrap(),
+            PublishOutcome::Accepted { .. }
+        ));
+    }
+    let stored = hub
+        .hub()
+        .core()
+        .usage(stranger.device())
+        .await
+        .unwrap()
+        .stored_bytes;
+    assert_eq!(
+        stored, 13,
+        "the two posts the owner's queue took, not the third"
+    );
+
+    // The owner connects for the first time, without subscribing.
+    let owner = hub.client(&owner_key).await.unwrap();
+    let mut owner_rx = owner.take_pushes().unwrap();
+    owner.receive(0).await.unwrap();
+    let mut got = Vec::new();
+    while got.len() < 2 {
+        match next_push(&mut owner_rx).await {
+            Some(Push::Delivery(d)) => {
+                assert_eq!(d.topic, inbox);
+                assert_eq!(d.sender, stranger.device());
+                owner.ack(vec![d.id]).await.unwrap();
+                got.push(d.payload);
+            }
+            other => panic!("the owner must get its posts: {other:?}"),
+        }
+    }
+    assert_eq!(got, vec![b"welcome".to_vec(), b"second".to_vec()]);
+    // The dropped post is reported to the owner, not lost in silence.
+    match next_push(&mut owner_rx).await {
+        Some(Push::Error(HubError::DeliveriesDropped { count, .. })) => assert_eq!(count, 1),
+        other => panic!("the drop must be reported: {other:?}"),
+    }
+    no_push(&mut owner_rx).await;
+}
+
 #[tokio::test]
 async fn mailbox_posts_are_rate_limited_per_sender_and_mailbox() {
     let hub = TestHub::start_with(|c| {

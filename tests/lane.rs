@@ -2182,7 +2182,12 @@ async fn forged_rejoin_refusals_make_nobody_forget_its_group() {
     let g = group_with_incomplete_member(&a, &[(&c, &wc)], &b, &wb, &u).await;
     let (e, _) = agree(&[&a, &c], g).await;
     wait_epoch(&b, g, e).await;
-    let seed = b.manager().record(g).unwrap().rendezvous_seed.expect("a seed");
+    let seed = b
+        .manager()
+        .record(g)
+        .unwrap()
+        .rendezvous_seed
+        .expect("a seed");
     let topic = hubsync::device::topics::rendezvous_topic(&seed);
     let names_of_members = [a.id(), c.id()];
     // The members who could answer are away.

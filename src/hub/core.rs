@@ -427,7 +427,17 @@ impl HubCore {
                 let k = l::subscriber(&p.topic, owner);
                 match tx.get(&k).await.map_err(internal)? {
                     Some(v) => vec![(k, v)],
-                    None => Vec::new(),
+                    // The owner's mailbox holds frames for it whether or not
+                    // it subscribed here (it may never have, or its
+                    // subscription went with a store restored from a
+                    // backup): a Welcome must not depend on the joiner's
+                    // subscription being in place first. Bounded like any
+                    // delivery: the owner's queue quota, the sender's
+                    // stored bytes, the frame's retention.
+                    None => {
+                        let retention_secs = retention_ms / 1000;
+                        vec![(k, l::encode(&Subscription { retention_secs }))]
+                    }
                 }
             }
             None => {

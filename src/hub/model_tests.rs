@@ -82,6 +82,9 @@ struct TopicModel {
     head: Option<u64>,
     frames: BTreeMap<u64, (Vec<u8>, u64)>,
     removed_through: u64,
+    /// Mailbox frames held for the mailbox's owner (who never reads here),
+    /// with their expiry.
+    held: BTreeMap<u64, (Vec<u8>, u64)>,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -123,11 +126,13 @@ impl Model {
         if !ok {
             return Ok(PublishOutcome::HeadMismatch { current: t.head });
         }
-        // Only a log frame is kept (nobody subscribes here), and the quota
-        // is checked before this publish's own depth trim.
+        // A log frame is kept, and a post into a device's mailbox is held
+        // for its owner (nobody subscribes to the other topics here); the
+        // quota is checked before this publish's own depth trim.
+        let kept = !mailbox || topic == MAILBOX;
         let stored = self.stored_bytes();
         let adding = payload.len() as u64;
-        if !mailbox && stored + adding > QUOTA {
+        if kept && stored + adding > QUOTA {
             return Err(HubError::StorageQuotaExceeded {
                 stored,
                 adding,
@@ -139,7 +144,9 @@ impl Model {
         let seq = t.last_seq;
         self.records
             .insert((topic, pid), (seq, mailbox, payload.clone()));
-        if !mailbox {
+        if mailbox && kept {
+            t.held.insert(seq, (payload, expires));
+        } else if !mailbox {
             t.frames.insert(seq, (payload, expires));
             t.head = Some(seq);
             while t.frames.len() as u64 > DEPTH {
@@ -160,14 +167,15 @@ impl Model {
                 t.frames.remove(&s);
                 t.removed_through = s;
             }
+            t.held.retain(|_, (_, exp)| *exp > now);
         }
     }
 
-    /// Payload bytes of the log frames held: the publisher's stored bytes.
+    /// Payload bytes of the frames kept: the publisher's stored bytes.
     fn stored_bytes(&self) -> u64 {
         self.topics
             .values()
-            .flat_map(|t| t.frames.values())
+            .flat_map(|t| t.frames.values().chain(t.held.values()))
             .map(|(p, _)| p.len() as u64)
             .sum()
     }
@@ -648,8 +656,10 @@ fn sized(topic: u8, pid: u8, retention: Option<u64>) -> Op {
 
 /// The publisher reaches its stored-bytes quota (6 frames of 3 bytes under
 /// 20), is refused on a topic whose log is not even deep, and has room again
-/// once a purge removes its expired frames; posts into another device's
-/// mailbox store nothing and a log publish there is refused.
+/// once a purge removes its expired frames; a post into another device's
+/// mailbox is held for its owner (and counts against the poster's quota:
+/// `run` compares the stored bytes after every step), and a log publish
+/// there is refused.
 #[test]
 fn quota_refuses_until_frames_go_and_a_mailbox_takes_no_log() {
     let mut ops: Vec<Op> = (0..6).map(|i| sized(i % 2, i, Some(1))).collect();
