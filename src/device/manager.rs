@@ -620,6 +620,7 @@ impl GroupPeerManager {
                 vec![url]
             };
             let mut told = false;
+            let mut former = Vec::new();
             for rec in self.shared.records.groups()? {
                 for name in &names {
                     if rec.cursors.contains_key(*name) || rec.hubs.iter().any(|h| h == name) {
@@ -627,8 +628,25 @@ impl GroupPeerManager {
                             .await
                             .map_err(|e| DeviceError::Store(e.to_string()))?;
                         told = true;
+                        if rec.commit_hub != *name {
+                            former.push(rec.id);
+                        }
                     }
                 }
+            }
+            // A former commit log there may have lost the commit that moved
+            // the group away; a member that has not read it learns of the
+            // move from that log only. The pull gives the current log back
+            // what it lost; give former logs theirs now, not at the next
+            // check, which waits for a caught-up pull.
+            for group in former {
+                lock(&self.shared.former_checked).remove(&group);
+                let me = self.clone();
+                self.shared.tasks.spawn(async move {
+                    if let Err(e) = me.check_former_logs(group).await {
+                        tracing::debug!(%group, error = %e, "giving a rewound former commit log back its commits failed; checked again later");
+                    }
+                });
             }
             if !told {
                 self.emit(Event::HubRewound {

@@ -532,7 +532,7 @@ impl GroupPeerManager {
     /// lost it is given back what it lost ([`Self::heal`]), or, if a
     /// member's other commit took that epoch there, this device lost it
     /// and is stranded. Only over links that are up.
-    async fn check_former_logs(&self, group: GroupId) -> Result<(), PullError> {
+    pub(crate) async fn check_former_logs(&self, group: GroupId) -> Result<(), PullError> {
         let now = self.shared.clock.now_ms();
         {
             let mut checked = crate::device::manager::lock(&self.shared.former_checked);
@@ -564,7 +564,7 @@ impl GroupPeerManager {
             }
         }
         for k in last {
-            let (Some(seed), Some(seq)) = (k.commit_seed, k.seq) else {
+            let Some(seed) = k.commit_seed else {
                 continue;
             };
             // Only over a link that exists and is up: checking must not
@@ -573,6 +573,13 @@ impl GroupPeerManager {
                 .get(&k.hub)
                 .cloned();
             let Some(link) = link.filter(HubLink::is_connected) else {
+                continue;
+            };
+            let Some(seq) = k.seq else {
+                // Known lost already (the hub's store changed under it):
+                // give it back. A member that has not read the move still
+                // reads there, and learns of it from this log only.
+                self.heal(group, &k.hub, &link, None).await?;
                 continue;
             };
             let topic = topics::commit_topic(&seed);
