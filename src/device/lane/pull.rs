@@ -287,6 +287,18 @@ impl GroupPeerManager {
                     }
                 }
             }
+            if f.gap
+                && f.messages.first().is_some_and(|m| {
+                    let d = digest(&m.payload);
+                    seen.merged.iter().any(|k| k.digest == d)
+                })
+            {
+                // The oldest frame the log still holds is a commit this
+                // device merged (a rewound log read again from the start,
+                // its prefix trimmed): what was trimmed came before it, and
+                // this device has it. No gap for us.
+                f.gap = false;
+            }
             if f.gap {
                 let mut guard = self.shared.registry.lock(group).await;
                 let mut rec = self.record(group)?;
