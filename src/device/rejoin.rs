@@ -95,6 +95,11 @@ pub enum RendezvousFrame {
     Answer(RejoinAnswer),
     /// A member does not see the requester in its tree.
     Refusal(RejoinRefusal),
+    /// A member asks at which epoch the others are
+    /// ([`super::probe`]).
+    Probe(super::probe::EpochProbe),
+    /// A member's answer to a probe.
+    Status(super::probe::EpochStatus),
 }
 
 /// "I am `device`, left behind in `group`: seal me a GroupInfo to this key."
@@ -252,6 +257,11 @@ pub enum RejoinResult {
 pub(super) enum Incoming {
     Answer(RejoinAnswer),
     Refusal(DeviceId),
+    /// A member's epoch, answering a probe.
+    Status {
+        from: DeviceId,
+        epoch: u64,
+    },
 }
 
 /// Why one external commit attempt did not land.
@@ -283,7 +293,7 @@ impl From<crate::device::registry::RegistryError> for JoinFailure {
     }
 }
 
-fn verify_by(device: &DeviceId, message: &[u8], signature: &[u8]) -> bool {
+pub(super) fn verify_by(device: &DeviceId, message: &[u8], signature: &[u8]) -> bool {
     let Ok(key) = ed25519_dalek::VerifyingKey::from_bytes(&device.0) else {
         return false;
     };
@@ -494,6 +504,8 @@ impl GroupPeerManager {
                     refused.insert(from);
                     continue;
                 }
+                // A status answers a probe, never a rejoin request.
+                Incoming::Status { .. } => continue,
                 Incoming::Answer(a) => a,
             };
             let input = HpkeCiphertext {
@@ -576,7 +588,7 @@ impl GroupPeerManager {
     }
 
     /// Post `frame` on the rendezvous mailbox at `hub`.
-    async fn post_rendezvous(
+    pub(super) async fn post_rendezvous(
         &self,
         hub: &str,
         topic: &TopicId,
@@ -937,6 +949,18 @@ impl GroupPeerManager {
                     }
                 }
             }
+            RendezvousFrame::Probe(p) => {
+                if p.group != group || p.device == me || !p.verify() {
+                    self.shared.counters.dropped.fetch_add(1, Ordering::Relaxed);
+                    return;
+                }
+                let hub = hub.to_string();
+                let who = p.device;
+                self.handle_request(group, who, "epoch probe", move |this| async move {
+                    this.answer_probe(group, &hub, p).await
+                });
+            }
+            RendezvousFrame::Status(s) => self.on_status(group, s),
             RendezvousFrame::Refusal(f) => {
                 // Another member's refusal cancels nothing: the requester
                 // takes the refusals of most of the members it knows as

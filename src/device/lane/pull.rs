@@ -355,6 +355,20 @@ impl GroupPeerManager {
     }
 
     /// Mark the group stranded (once) and say so.
+    /// Strand `group` here (see [`Self::strand`]).
+    ///
+    /// # Errors
+    /// `UnknownGroup`, or the store's.
+    pub(crate) async fn strand_group(
+        &self,
+        group: GroupId,
+    ) -> Result<(), crate::device::DeviceError> {
+        let mut guard = self.shared.registry.lock(group).await;
+        let mut rec = self.record(group)?;
+        self.strand(&mut guard, &mut rec)
+            .map_err(|e| crate::device::DeviceError::Store(e.to_string()))
+    }
+
     fn strand(&self, guard: &mut GroupGuard, rec: &mut GroupRecord) -> Result<(), PullError> {
         if !rec.stranded {
             rec.stranded = true;
@@ -671,6 +685,12 @@ impl GroupPeerManager {
         self.emit(Event::HubRewound {
             url: hub.to_string(),
         });
+        // The rewound log may have lost commits nobody can give back: the
+        // group could be further on than anything this log will show. Ask
+        // the members (`probe`).
+        if hub == rec.commit_hub && !rec.stranded {
+            self.probe_in_background(group);
+        }
         Ok(())
     }
 

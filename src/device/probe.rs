@@ -1,0 +1,422 @@
+//! The epoch probe: how a member learns that its group moved on when the
+//! only log that could have told it was rewound.
+//!
+//! A hub restored from a backup can lose commits nobody still holds to give
+//! back. A member that had not read them re-reads the rewound log, finds it
+//! ends at its own epoch, and has no evidence that it is behind: it would
+//! wait there for ever, while the group commits on a topic it cannot
+//! compute. So a member that finds its current commit log rewound asks the
+//! group, on the rendezvous mailbox (whose topic never rotates):
+//!
+//! 1. It posts an [`EpochProbe`]: its device id and a fresh nonce, signed
+//!    with its device key.
+//! 2. A member that sees the prober in its tree waits a random
+//!    0-[`ANSWER_JITTER_MS`] ms and answers an [`EpochStatus`]: its epoch,
+//!    signed with its device key; it stays silent if it has seen another
+//!    member's status at its own epoch or later (so one answer is the
+//!    usual cost), or if it is left behind itself. A member that does not
+//!    see the prober in its tree answers the signed
+//!    [`RejoinRefusal`](super::rejoin::RejoinRefusal) of a rejoin.
+//! 3. A status from a member of the prober's own view at a later epoch, or
+//!    a refusal from one, strands the prober; the background heal then
+//!    rejoins it (or learns that it was removed). Statuses at its epoch or
+//!    earlier, or silence, change nothing.
+//!
+//! Who may do what: a probe is signed by the device it names; a status or a
+//! refusal counts only signed by a member of the prober's view. A member
+//! removed after the prober fell behind is still in that view and can make
+//! it strand by lying; the rejoin that follows is answered by the real
+//! members, so the lie costs one external commit and no state.
+
+use super::error::DeviceError;
+use super::manager::{lock, GroupPeerManager};
+use super::records::GroupId;
+use super::rejoin::{verify_by, Incoming, RejoinRefusal, RendezvousFrame, ANSWER_JITTER_MS};
+use super::topics;
+use crate::wire::DeviceId;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeSet;
+use std::time::Duration;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+/// Signature domain of an [`EpochProbe`].
+const PROBE_DOMAIN: &[u8] = b"hubsync epoch probe v1";
+
+/// Signature domain of an [`EpochStatus`].
+const STATUS_DOMAIN: &[u8] = b"hubsync epoch status v1";
+
+/// How long a probe waits for statuses.
+const PROBE_DEADLINE: Duration = Duration::from_secs(10);
+
+/// After a status at the prober's own epoch, how long it waits for a later
+/// one (a member further on answers within the jitter too).
+const LATER_STATUS_GRACE: Duration = Duration::from_millis(ANSWER_JITTER_MS + 1_000);
+
+/// Statuses and refusals one probe queues before it reads them.
+const INCOMING_QUEUE: usize = 16;
+
+/// "I am `device` in `group`: at which epoch are you?"
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EpochProbe {
+    /// The group.
+    pub group: GroupId,
+    /// The prober.
+    pub device: DeviceId,
+    /// Ties statuses to this probe.
+    pub nonce: [u8; 16],
+    /// ed25519 by `device` over [`EpochProbe::signed_bytes`].
+    #[serde(with = "serde_bytes")]
+    pub signature: Vec<u8>,
+}
+
+impl EpochProbe {
+    /// What the signature covers: the domain, then group, device and nonce.
+    pub fn signed_bytes(&self) -> Vec<u8> {
+        let mut m = PROBE_DOMAIN.to_vec();
+        m.extend_from_slice(&self.group.0);
+        m.extend_from_slice(&self.device.0);
+        m.extend_from_slice(&self.nonce);
+        m
+    }
+
+    /// Whether `device` signed it.
+    pub fn verify(&self) -> bool {
+        verify_by(&self.device, &self.signed_bytes(), &self.signature)
+    }
+}
+
+/// A member's answer to a probe: the epoch it is at.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EpochStatus {
+    /// The group.
+    pub group: GroupId,
+    /// The probe's nonce.
+    pub nonce: [u8; 16],
+    /// The prober.
+    pub to: DeviceId,
+    /// The answering member.
+    pub from: DeviceId,
+    /// The member's epoch.
+    pub epoch: u64,
+    /// ed25519 by `from` over [`EpochStatus::signed_bytes`].
+    #[serde(with = "serde_bytes")]
+    pub signature: Vec<u8>,
+}
+
+impl EpochStatus {
+    /// What the signature covers: the domain, then group, nonce, `to` and
+    /// the epoch (8 bytes, big-endian).
+    pub fn signed_bytes(&self) -> Vec<u8> {
+        let mut m = STATUS_DOMAIN.to_vec();
+        m.extend_from_slice(&self.group.0);
+        m.extend_from_slice(&self.nonce);
+        m.extend_from_slice(&self.to.0);
+        m.extend_from_slice(&self.epoch.to_be_bytes());
+        m
+    }
+}
+
+/// What a probe found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ProbeOutcome {
+    /// A member of this device's view is at a later epoch: the group moved
+    /// on without it.
+    Behind {
+        /// That member.
+        told_by: DeviceId,
+        /// Its epoch.
+        epoch: u64,
+    },
+    /// Members of this device's view say it is not in their tree.
+    Refused {
+        /// Those members.
+        by: Vec<DeviceId>,
+    },
+    /// The members that answered are at this device's epoch or earlier.
+    InStep,
+    /// Nobody of this device's view answered before the deadline (or there
+    /// is nobody else to ask).
+    NoAnswer,
+}
+
+impl GroupPeerManager {
+    /// Ask the group's members at which epoch they are, and strand the
+    /// group here when one of them is further on, or says this device is
+    /// not in its tree (the background heal then rejoins it). Run when this
+    /// device's current commit log was found rewound.
+    ///
+    /// # Errors
+    /// `UnknownGroup`, or the store's.
+    pub(crate) async fn probe_epoch(&self, group: GroupId) -> Result<ProbeOutcome, DeviceError> {
+        let rec = self.record(group)?;
+        let Some(seed) = rec.rendezvous_seed else {
+            return Ok(ProbeOutcome::NoAnswer);
+        };
+        if rec.stranded {
+            return Ok(ProbeOutcome::NoAnswer);
+        }
+        let me = self.shared.identity.id();
+        let (own, others) = {
+            let mut guard = self.shared.registry.lock(group).await;
+            let own = guard.read(|g| g.epoch().as_u64())?;
+            let others: BTreeSet<DeviceId> = self
+                .member_set(&mut guard)?
+                .into_iter()
+                .filter(|d| *d != me)
+                .collect();
+            (own, others)
+        };
+        if others.is_empty() {
+            return Ok(ProbeOutcome::NoAnswer);
+        }
+        let mut nonce = [0u8; 16];
+        self.shared.rng.fill(&mut nonce);
+        let mut probe = EpochProbe {
+            group,
+            device: me,
+            nonce,
+            signature: Vec::new(),
+        };
+        probe.signature = self
+            .shared
+            .identity
+            .sign(&probe.signed_bytes())
+            .to_bytes()
+            .to_vec();
+        let frame = postcard::to_allocvec(&RendezvousFrame::Probe(probe))
+            .map_err(|e| DeviceError::Mls(e.to_string()))?;
+        let (tx, mut rx) = mpsc::channel(INCOMING_QUEUE);
+        lock(&self.shared.rejoins).insert((group, nonce), tx);
+        let rendezvous = topics::rendezvous_topic(&seed);
+        for hub in rec
+            .routes()
+            .into_iter()
+            .filter(|h| !super::lane::is_loopback(h))
+        {
+            if let Err(e) = self.post_rendezvous(&hub, &rendezvous, &frame).await {
+                tracing::debug!(%group, hub, error = %e, "epoch probe not posted");
+            }
+        }
+        let mut until = Instant::now() + PROBE_DEADLINE;
+        let mut in_step = false;
+        let mut refused = BTreeSet::new();
+        let outcome = loop {
+            let Ok(Some(got)) = tokio::time::timeout_at(until, rx.recv()).await else {
+                break if !refused.is_empty() {
+                    ProbeOutcome::Refused {
+                        by: refused.into_iter().collect(),
+                    }
+                } else if in_step {
+                    ProbeOutcome::InStep
+                } else {
+                    ProbeOutcome::NoAnswer
+                };
+            };
+            match got {
+                Incoming::Status { from, epoch } if others.contains(&from) => {
+                    if epoch > own {
+                        break ProbeOutcome::Behind {
+                            told_by: from,
+                            epoch,
+                        };
+                    }
+                    if !in_step {
+                        in_step = true;
+                        until = until.min(Instant::now() + LATER_STATUS_GRACE);
+                    }
+                }
+                Incoming::Refusal(from) if others.contains(&from) => {
+                    refused.insert(from);
+                    until = until.min(Instant::now() + LATER_STATUS_GRACE);
+                }
+                _ => {}
+            }
+        };
+        lock(&self.shared.rejoins).remove(&(group, nonce));
+        if matches!(
+            outcome,
+            ProbeOutcome::Behind { .. } | ProbeOutcome::Refused { .. }
+        ) {
+            tracing::warn!(%group, ?outcome, "the group moved on without this device");
+            self.strand_group(group).await?;
+        }
+        Ok(outcome)
+    }
+
+    /// Answer `p` after a random wait: this device's epoch if the prober is
+    /// in its tree (unless another member's status at this epoch or later
+    /// was seen meanwhile), a signed refusal if not; nothing while this
+    /// device is left behind itself.
+    pub(super) async fn answer_probe(
+        &self,
+        group: GroupId,
+        hub: &str,
+        p: EpochProbe,
+    ) -> Result<(), DeviceError> {
+        // Registered by the task itself: a probe dropped over the bound
+        // leaves nothing behind.
+        let key = (group, p.nonce);
+        lock(&self.shared.statuses_seen).insert(key, None);
+        let result = self.answer_probe_inner(group, hub, p).await;
+        lock(&self.shared.statuses_seen).remove(&key);
+        result
+    }
+
+    async fn answer_probe_inner(
+        &self,
+        group: GroupId,
+        hub: &str,
+        p: EpochProbe,
+    ) -> Result<(), DeviceError> {
+        let jitter = self.shared.rng.next_u64() % (ANSWER_JITTER_MS + 1);
+        tokio::time::sleep(Duration::from_millis(jitter)).await;
+        if let Err(e) = self.pull(group).await {
+            tracing::debug!(%group, error = %e, "pull before an epoch status failed");
+        }
+        let me = &self.shared.identity;
+        let mut guard = self.shared.registry.lock(group).await;
+        let rec = self.record(group)?;
+        if rec.stranded {
+            return Ok(());
+        }
+        let epoch = guard.read(|g| g.epoch().as_u64())?;
+        let frame = if self.member_set(&mut guard)?.contains(&p.device) {
+            drop(guard);
+            let seen = lock(&self.shared.statuses_seen)
+                .get(&(group, p.nonce))
+                .copied()
+                .flatten();
+            if seen.is_some_and(|s| s >= epoch) {
+                return Ok(());
+            }
+            let mut s = EpochStatus {
+                group,
+                nonce: p.nonce,
+                to: p.device,
+                from: me.id(),
+                epoch,
+                signature: Vec::new(),
+            };
+            s.signature = me.sign(&s.signed_bytes()).to_bytes().to_vec();
+            RendezvousFrame::Status(s)
+        } else {
+            drop(guard);
+            let mut f = RejoinRefusal {
+                group,
+                nonce: p.nonce,
+                to: p.device,
+                from: me.id(),
+                signature: Vec::new(),
+            };
+            f.signature = me.sign(&f.signed_bytes()).to_bytes().to_vec();
+            RendezvousFrame::Refusal(f)
+        };
+        let Some(seed) = rec.rendezvous_seed else {
+            return Ok(());
+        };
+        let bytes = postcard::to_allocvec(&frame).map_err(|e| DeviceError::Mls(e.to_string()))?;
+        self.post_rendezvous(hub, &topics::rendezvous_topic(&seed), &bytes)
+            .await
+            .map_err(|e| DeviceError::Hub {
+                url: hub.to_string(),
+                reason: format!("posting the epoch status: {e}"),
+            })
+    }
+
+    /// A status on the rendezvous mailbox: remembered against the probe it
+    /// answers while this device means to answer that probe too, and handed
+    /// to this device's own waiting probe.
+    pub(super) fn on_status(&self, group: GroupId, s: EpochStatus) {
+        if s.group != group {
+            return;
+        }
+        if let Some(seen) = lock(&self.shared.statuses_seen).get_mut(&(group, s.nonce)) {
+            *seen = Some(seen.map_or(s.epoch, |e| e.max(s.epoch)));
+        }
+        if s.to == self.shared.identity.id() && verify_by(&s.from, &s.signed_bytes(), &s.signature)
+        {
+            if let Some(tx) = lock(&self.shared.rejoins).get(&(group, s.nonce)) {
+                let _ = tx.try_send(Incoming::Status {
+                    from: s.from,
+                    epoch: s.epoch,
+                });
+            }
+        }
+    }
+
+    /// After this device's current commit log of `group` was found
+    /// rewound: read it again (giving back what it lost), then probe, once
+    /// at a time per group, in the background. A probe that fails is
+    /// counted; the next rewind found probes again.
+    pub(crate) fn probe_in_background(&self, group: GroupId) {
+        if !lock(&self.shared.probing).insert(group) {
+            return;
+        }
+        let me = self.clone();
+        self.shared.tasks.spawn(async move {
+            let stop = me.shared.shutdown.clone();
+            let work = async {
+                if let Err(e) = me.pull(group).await {
+                    tracing::debug!(%group, error = %e, "pull before an epoch probe failed");
+                }
+                me.probe_epoch(group).await
+            };
+            let result = tokio::select! {
+                _ = stop.cancelled() => Ok(ProbeOutcome::NoAnswer),
+                r = work => r,
+            };
+            lock(&me.shared.probing).remove(&group);
+            if let Err(e) = result {
+                me.shared
+                    .counters
+                    .control_failures
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                tracing::warn!(%group, error = %e, "epoch probe failed");
+            }
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ed25519_dalek::{Signer as _, SigningKey};
+
+    #[test]
+    fn a_probe_verifies_only_as_signed_by_the_device_it_names() {
+        let k = SigningKey::from_bytes(&[5; 32]);
+        let other = SigningKey::from_bytes(&[6; 32]);
+        let mut p = EpochProbe {
+            group: GroupId([1; 32]),
+            device: DeviceId(k.verifying_key().to_bytes()),
+            nonce: [2; 16],
+            signature: Vec::new(),
+        };
+        p.signature = k.sign(&p.signed_bytes()).to_bytes().to_vec();
+        assert!(p.verify());
+        let mut forged = p.clone();
+        forged.signature = other.sign(&p.signed_bytes()).to_bytes().to_vec();
+        assert!(!forged.verify());
+        let mut changed = p.clone();
+        changed.nonce = [3; 16];
+        assert!(!changed.verify());
+    }
+
+    #[test]
+    fn a_status_signature_covers_its_epoch() {
+        let k = SigningKey::from_bytes(&[7; 32]);
+        let mut s = EpochStatus {
+            group: GroupId([1; 32]),
+            nonce: [2; 16],
+            to: DeviceId([9; 32]),
+            from: DeviceId(k.verifying_key().to_bytes()),
+            epoch: 4,
+            signature: Vec::new(),
+        };
+        s.signature = k.sign(&s.signed_bytes()).to_bytes().to_vec();
+        assert!(verify_by(&s.from, &s.signed_bytes(), &s.signature));
+        s.epoch = 40;
+        assert!(!verify_by(&s.from, &s.signed_bytes(), &s.signature));
+    }
+}
