@@ -2254,6 +2254,143 @@ async fn forged_rejoin_refusals_make_nobody_forget_its_group() {
     assert_eq!(b.epoch(g).await.unwrap(), e, "b keeps its group");
 }
 
+/// A hub restored from a backup older than what one member read, after
+/// the group moved to another commit topic and further on than anyone
+/// keeps frames to give back: the member re-reads the restored log, finds
+/// it ends at its own epoch, and has no other evidence. It asks the members
+/// their epoch (the probe), learns the group moved on, strands, and the
+/// background heal rejoins it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_on_a_log_restored_from_an_old_backup_learns_by_probe_that_the_group_moved_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let hub = hub_at(dir.path(), "127.0.0.1:0").await;
+    let addr = hub.addr().to_string();
+    let u = vec![hub.url().to_string()];
+    let a = TestDevice::open(&u).await.unwrap();
+    let mut b = TestDevice::open(&u).await.unwrap();
+    let x = TestDevice::open(&u).await.unwrap();
+    let (wb, wx) = (Watch::new(&b), Watch::new(&x));
+    let g = group_of(&a, &[(&b, &wb)], &u).await;
+    agree(&[&a, &b], g).await;
+
+    // The backup is taken now.
+    hub.stop().await;
+    let backup = tempfile::tempdir().unwrap();
+    copy_dir(dir.path(), backup.path());
+    let hub = hub_at(dir.path(), &addr).await;
+    // b reads one commit more than the backup holds, then goes away.
+    let r = a.rotate_keys(g).await.unwrap();
+    wait_epoch(&b, g, r.outcome.epoch).await;
+    b.close().await;
+    // The group moves to another commit topic (a roster change) and on,
+    // further than anyone keeps frames to give back.
+    invite_with_retry(&a, g, x.id()).await;
+    wx.until(
+        "x joins",
+        |ev| matches!(ev, Event::GroupJoined { group, .. } if *group == g),
+    )
+    .await;
+    for _ in 0..5 {
+        a.rotate_keys(g).await.unwrap();
+    }
+    let (e, _) = agree(&[&a, &x], g).await;
+
+    // The hub is restored from the backup.
+    hub.stop().await;
+    let _hub = hub_at(backup.path(), &addr).await;
+    b.reopen().await.unwrap();
+    let wb = Watch::new(&b);
+    wb.until(
+        "b learns the group moved on",
+        |ev| matches!(ev, Event::Stranded { group } if *group == g),
+    )
+    .await;
+    wb.until(
+        "b rejoins on its own",
+        |ev| matches!(ev, Event::Rejoined { group, .. } if *group == g),
+    )
+    .await;
+    // The rejoin gathers the ledger it missed (x's invite) after it joins.
+    wb.until(
+        "b's ledger gathered",
+        |ev| matches!(ev, Event::LedgerGathered { group, .. } if *group == g),
+    )
+    .await;
+    let (e1, _) = agree(&[&a, &b, &x], g).await;
+    assert!(e1 > e, "b joined the group where it is: {e1} after {e}");
+    message_reaches(&a, &[&wb], g, b"after the restore").await;
+}
+
+/// Statuses count only signed by a member of the prober's view: someone
+/// who learned the rendezvous topic and answers a probe with a later epoch,
+/// in a member's name or its own, strands nobody; the member asked answers
+/// for itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forged_epoch_statuses_strand_nobody() {
+    use ed25519_dalek::Signer;
+    use hubsync::device::probe::{EpochStatus, ProbeOutcome};
+    use hubsync::device::rejoin::RendezvousFrame;
+    let hubs = hubs(1).await;
+    let u = urls(&hubs);
+    let a = TestDevice::open(&u).await.unwrap();
+    let b = TestDevice::open(&u).await.unwrap();
+    let wb = Watch::new(&b);
+    let g = group_of(&a, &[(&b, &wb)], &u).await;
+    let (e, _) = agree(&[&a, &b], g).await;
+    let seed = b.manager().record(g).unwrap().rendezvous_seed.expect("a seed");
+    let topic = hubsync::device::topics::rendezvous_topic(&seed);
+
+    let key = signing_key(4444);
+    let forger = DeviceId(key.verifying_key().to_bytes());
+    let client = hubs[0].client(&key).await.unwrap();
+    client.subscribe(&topic, None).await.unwrap();
+    let mut pushes = client.take_pushes().expect("the push stream");
+    client.receive(0).await.unwrap();
+    let (aid, bid) = (a.id(), b.id());
+    let forging = tokio::spawn(async move {
+        let probe = loop {
+            let push = tokio::time::timeout(WAIT, pushes.recv())
+                .await
+                .expect("b's probe in time")
+                .expect("push stream open");
+            let Push::Delivery(d) = push else { continue };
+            client.ack(vec![d.id]).await.unwrap();
+            if let Ok(RendezvousFrame::Probe(p)) = postcard::from_bytes(&d.payload) {
+                if p.device == bid {
+                    break p;
+                }
+            }
+        };
+        let mut posted = 0;
+        for (n, from) in [aid, forger].into_iter().enumerate() {
+            let mut status = EpochStatus {
+                group: probe.group,
+                nonce: probe.nonce,
+                to: probe.device,
+                from,
+                epoch: probe.epoch + 1000,
+                signature: Vec::new(),
+            };
+            status.signature = key.sign(&status.signed_bytes()).to_bytes().to_vec();
+            let mut p = unsigned_publish(
+                &topic,
+                950 + n as u64,
+                postcard::to_stdvec(&RendezvousFrame::Status(status)).unwrap(),
+            );
+            p.class = RetentionClass::Mailbox;
+            p.retention_secs = Some(60);
+            accepted_seq(client.publish(p).await.unwrap());
+            posted += 1;
+        }
+        posted
+    });
+    let outcome = b.manager().probe_epoch(g).await.unwrap();
+    assert_eq!(forging.await.unwrap(), 2, "both forged statuses were posted");
+    assert_eq!(outcome, ProbeOutcome::InStep, "a answered for itself");
+    assert!(!b.manager().record(g).unwrap().stranded, "b is not stranded");
+    assert_eq!(agree(&[&a, &b], g).await.0, e);
+}
+
 /// With every other member offline, a rejoin gives up at its deadline and
 /// says so (an answer, not an error); a member in step has nothing to heal;
 /// a device removed from the group (it never read its removal) gets

@@ -220,9 +220,6 @@ pub(super) struct Shared {
     pub healing: Mutex<std::collections::BTreeSet<GroupId>>,
     /// Groups a background epoch probe runs for now (one per group).
     pub probing: Mutex<std::collections::BTreeSet<GroupId>>,
-    /// Members' epoch probes this device means to answer, with the latest
-    /// epoch another member's status to the same probe named.
-    pub statuses_seen: Mutex<BTreeMap<RequestKey, Option<u64>>>,
     /// Members' control requests this device is handling now (at most
     /// [`super::control_msg::MAX_CONTROL_TASKS`]).
     pub control_tasks: AtomicU64,
@@ -392,7 +389,6 @@ impl GroupPeerManager {
                 rejoins: Mutex::new(BTreeMap::new()),
                 answering: Mutex::new(BTreeMap::new()),
                 probing: Mutex::new(std::collections::BTreeSet::new()),
-                statuses_seen: Mutex::new(BTreeMap::new()),
                 healing: Mutex::new(std::collections::BTreeSet::new()),
                 control_tasks: AtomicU64::new(0),
                 records,

@@ -8,19 +8,22 @@
 //! compute. So a member that finds its current commit log rewound asks the
 //! group, on the rendezvous mailbox (whose topic never rotates):
 //!
-//! 1. It posts an [`EpochProbe`]: its device id and a fresh nonce, signed
-//!    with its device key.
-//! 2. A member that sees the prober in its tree waits a random
-//!    0-[`ANSWER_JITTER_MS`] ms and answers an [`EpochStatus`]: its epoch,
-//!    signed with its device key; it stays silent if it has seen another
-//!    member's status at its own epoch or later (so one answer is the
-//!    usual cost), or if it is left behind itself. A member that does not
-//!    see the prober in its tree answers the signed
-//!    [`RejoinRefusal`](super::rejoin::RejoinRefusal) of a rejoin.
-//! 3. A status from a member of the prober's own view at a later epoch, or
-//!    a refusal from one, strands the prober; the background heal then
-//!    rejoins it (or learns that it was removed). Statuses at its epoch or
-//!    earlier, or silence, change nothing.
+//! 1. It posts an [`EpochProbe`]: its device id, its epoch, a fresh nonce
+//!    and the few members of its own view it asks this round
+//!    ([`ASKED_PER_ROUND`]), signed with its device key; every 2 s it asks
+//!    the next few, until one answers or 10 s pass. So a probe costs a few
+//!    answers whatever the group's size.
+//! 2. A member it named waits a random 0-[`ANSWER_JITTER_MS`] ms, reads
+//!    its commit log, and answers an [`EpochStatus`] (its epoch, signed
+//!    with its device key) if it sees the prober in its tree, or the signed
+//!    [`RejoinRefusal`](super::rejoin::RejoinRefusal) of a rejoin if not. A
+//!    member behind the prober's epoch (its tree would be stale) or left
+//!    behind itself stays silent.
+//! 3. A status from a member of the prober's view at a later epoch that the
+//!    prober cannot reach by reading its log, or a refusal from one,
+//!    strands the prober; the background heal then rejoins it (or learns
+//!    that it was removed). Statuses at its epoch or earlier, or silence,
+//!    change nothing.
 //!
 //! Who may do what: a probe is signed by the device it names; a status or a
 //! refusal counts only signed by a member of the prober's view. A member
@@ -49,34 +52,48 @@ const STATUS_DOMAIN: &[u8] = b"hubsync epoch status v1";
 /// How long a probe waits for statuses.
 const PROBE_DEADLINE: Duration = Duration::from_secs(10);
 
-/// After a status at the prober's own epoch, how long it waits for a later
-/// one (a member further on answers within the jitter too).
-const LATER_STATUS_GRACE: Duration = Duration::from_millis(ANSWER_JITTER_MS + 1_000);
+/// How often a probe asks the next members of its view.
+const ROUND_INTERVAL: Duration = Duration::from_secs(2);
+
+/// Members asked per round: a few, so that a probe costs a few answers
+/// whatever the group's size.
+pub const ASKED_PER_ROUND: usize = 3;
 
 /// Statuses and refusals one probe queues before it reads them.
 const INCOMING_QUEUE: usize = 16;
 
-/// "I am `device` in `group`: at which epoch are you?"
+/// "I am `device` in `group`, at `epoch`: you whom I name, at which epoch
+/// are you?"
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct EpochProbe {
     /// The group.
     pub group: GroupId,
     /// The prober.
     pub device: DeviceId,
-    /// Ties statuses to this probe.
+    /// Ties statuses to this probe (the same in every round of one probe).
     pub nonce: [u8; 16],
+    /// The prober's epoch.
+    pub epoch: u64,
+    /// The members asked this round (at most [`ASKED_PER_ROUND`]), from
+    /// the prober's own view; nobody else answers.
+    pub ask: Vec<DeviceId>,
     /// ed25519 by `device` over [`EpochProbe::signed_bytes`].
     #[serde(with = "serde_bytes")]
     pub signature: Vec<u8>,
 }
 
 impl EpochProbe {
-    /// What the signature covers: the domain, then group, device and nonce.
+    /// What the signature covers: the domain, then group, device, nonce,
+    /// epoch (8 bytes, big-endian) and each asked member's id.
     pub fn signed_bytes(&self) -> Vec<u8> {
         let mut m = PROBE_DOMAIN.to_vec();
         m.extend_from_slice(&self.group.0);
         m.extend_from_slice(&self.device.0);
         m.extend_from_slice(&self.nonce);
+        m.extend_from_slice(&self.epoch.to_be_bytes());
+        for d in &self.ask {
+            m.extend_from_slice(&d.0);
+        }
         m
     }
 
@@ -148,7 +165,7 @@ impl GroupPeerManager {
     ///
     /// # Errors
     /// `UnknownGroup`, or the store's.
-    pub(crate) async fn probe_epoch(&self, group: GroupId) -> Result<ProbeOutcome, DeviceError> {
+    pub async fn probe_epoch(&self, group: GroupId) -> Result<ProbeOutcome, DeviceError> {
         let rec = self.record(group)?;
         let Some(seed) = rec.rendezvous_seed else {
             return Ok(ProbeOutcome::NoAnswer);
@@ -172,46 +189,82 @@ impl GroupPeerManager {
         }
         let mut nonce = [0u8; 16];
         self.shared.rng.fill(&mut nonce);
-        let mut probe = EpochProbe {
-            group,
-            device: me,
-            nonce,
-            signature: Vec::new(),
-        };
-        probe.signature = self
-            .shared
-            .identity
-            .sign(&probe.signed_bytes())
-            .to_bytes()
-            .to_vec();
-        let frame = postcard::to_allocvec(&RendezvousFrame::Probe(probe))
-            .map_err(|e| DeviceError::Mls(e.to_string()))?;
+        // Asked in an order of this device's choosing, a few per round.
+        let mut queue: Vec<DeviceId> = others.iter().copied().collect();
+        for i in (1..queue.len()).rev() {
+            let j = (self.shared.rng.next_u64() % (i as u64 + 1)) as usize;
+            queue.swap(i, j);
+        }
+        let mut queue = queue.into_iter();
         let (tx, mut rx) = mpsc::channel(INCOMING_QUEUE);
         lock(&self.shared.rejoins).insert((group, nonce), tx);
         let rendezvous = topics::rendezvous_topic(&seed);
-        for hub in rec
+        let routes: Vec<String> = rec
             .routes()
             .into_iter()
             .filter(|h| !super::lane::is_loopback(h))
-        {
-            if let Err(e) = self.post_rendezvous(&hub, &rendezvous, &frame).await {
-                tracing::debug!(%group, hub, error = %e, "epoch probe not posted");
-            }
-        }
-        let mut until = Instant::now() + PROBE_DEADLINE;
+            .collect();
+        let deadline = Instant::now() + PROBE_DEADLINE;
+        let mut next_round = Instant::now();
         let mut in_step = false;
         let mut refused = BTreeSet::new();
         let outcome = loop {
-            let Ok(Some(got)) = tokio::time::timeout_at(until, rx.recv()).await else {
-                break if !refused.is_empty() {
-                    ProbeOutcome::Refused {
-                        by: refused.into_iter().collect(),
-                    }
-                } else if in_step {
-                    ProbeOutcome::InStep
+            if Instant::now() >= next_round {
+                // A member at this epoch answered in the round that ended,
+                // and none further on: in step.
+                if in_step {
+                    break ProbeOutcome::InStep;
+                }
+                let ask: Vec<DeviceId> = queue.by_ref().take(ASKED_PER_ROUND).collect();
+                // Everyone asked: wait out the last round's answers.
+                next_round = if ask.is_empty() {
+                    deadline
                 } else {
-                    ProbeOutcome::NoAnswer
+                    Instant::now() + ROUND_INTERVAL
                 };
+                if !ask.is_empty() {
+                    // Another asked in this round may be further on: an
+                    // answer at this epoch ends the probe at the round's
+                    // end, not before.
+                    let mut probe = EpochProbe {
+                        group,
+                        device: me,
+                        nonce,
+                        epoch: own,
+                        ask,
+                        signature: Vec::new(),
+                    };
+                    probe.signature = self
+                        .shared
+                        .identity
+                        .sign(&probe.signed_bytes())
+                        .to_bytes()
+                        .to_vec();
+                    let frame = postcard::to_allocvec(&RendezvousFrame::Probe(probe))
+                        .map_err(|e| DeviceError::Mls(e.to_string()))?;
+                    for hub in &routes {
+                        if let Err(e) = self.post_rendezvous(hub, &rendezvous, &frame).await {
+                            tracing::debug!(%group, hub, error = %e, "epoch probe not posted");
+                        }
+                    }
+                }
+            }
+            let until = next_round.min(deadline);
+            let got = match tokio::time::timeout_at(until, rx.recv()).await {
+                Ok(Some(got)) => got,
+                Ok(None) => break ProbeOutcome::NoAnswer,
+                Err(_) if Instant::now() >= deadline => {
+                    break if !refused.is_empty() {
+                        ProbeOutcome::Refused {
+                            by: refused.into_iter().collect(),
+                        }
+                    } else if in_step {
+                        ProbeOutcome::InStep
+                    } else {
+                        ProbeOutcome::NoAnswer
+                    };
+                }
+                Err(_) => continue,
             };
             match got {
                 Incoming::Status { from, epoch } if others.contains(&from) => {
@@ -221,19 +274,34 @@ impl GroupPeerManager {
                             epoch,
                         };
                     }
-                    if !in_step {
-                        in_step = true;
-                        until = until.min(Instant::now() + LATER_STATUS_GRACE);
-                    }
+                    in_step = true;
                 }
                 Incoming::Refusal(from) if others.contains(&from) => {
                     refused.insert(from);
-                    until = until.min(Instant::now() + LATER_STATUS_GRACE);
                 }
                 _ => {}
             }
         };
         lock(&self.shared.rejoins).remove(&(group, nonce));
+        let outcome = match outcome {
+            // A member a commit ahead may just have committed what this
+            // device has yet to read: read the log before believing it.
+            ProbeOutcome::Behind { epoch, .. } => {
+                if let Err(e) = self.pull(group).await {
+                    tracing::debug!(%group, error = %e, "pull after an epoch status failed");
+                }
+                let now = {
+                    let mut guard = self.shared.registry.lock(group).await;
+                    guard.read(|g| g.epoch().as_u64())?
+                };
+                if now >= epoch || self.record(group)?.stranded {
+                    ProbeOutcome::InStep
+                } else {
+                    outcome
+                }
+            }
+            other => other,
+        };
         if matches!(
             outcome,
             ProbeOutcome::Behind { .. } | ProbeOutcome::Refused { .. }
@@ -244,26 +312,11 @@ impl GroupPeerManager {
         Ok(outcome)
     }
 
-    /// Answer `p` after a random wait: this device's epoch if the prober is
-    /// in its tree (unless another member's status at this epoch or later
-    /// was seen meanwhile), a signed refusal if not; nothing while this
-    /// device is left behind itself.
+    /// Answer `p`, which names this device, after a random wait: this
+    /// device's epoch if the prober is in its tree, a signed refusal if
+    /// not; nothing while this device is behind the prober (it would judge
+    /// from a stale tree) or left behind itself.
     pub(super) async fn answer_probe(
-        &self,
-        group: GroupId,
-        hub: &str,
-        p: EpochProbe,
-    ) -> Result<(), DeviceError> {
-        // Registered by the task itself: a probe dropped over the bound
-        // leaves nothing behind.
-        let key = (group, p.nonce);
-        lock(&self.shared.statuses_seen).insert(key, None);
-        let result = self.answer_probe_inner(group, hub, p).await;
-        lock(&self.shared.statuses_seen).remove(&key);
-        result
-    }
-
-    async fn answer_probe_inner(
         &self,
         group: GroupId,
         hub: &str,
@@ -277,19 +330,12 @@ impl GroupPeerManager {
         let me = &self.shared.identity;
         let mut guard = self.shared.registry.lock(group).await;
         let rec = self.record(group)?;
-        if rec.stranded {
+        let epoch = guard.read(|g| g.epoch().as_u64())?;
+        if rec.stranded || epoch < p.epoch {
             return Ok(());
         }
-        let epoch = guard.read(|g| g.epoch().as_u64())?;
         let frame = if self.member_set(&mut guard)?.contains(&p.device) {
             drop(guard);
-            let seen = lock(&self.shared.statuses_seen)
-                .get(&(group, p.nonce))
-                .copied()
-                .flatten();
-            if seen.is_some_and(|s| s >= epoch) {
-                return Ok(());
-            }
             let mut s = EpochStatus {
                 group,
                 nonce: p.nonce,
@@ -324,15 +370,11 @@ impl GroupPeerManager {
             })
     }
 
-    /// A status on the rendezvous mailbox: remembered against the probe it
-    /// answers while this device means to answer that probe too, and handed
-    /// to this device's own waiting probe.
+    /// A status on the rendezvous mailbox: handed to this device's own
+    /// waiting probe when it answers that.
     pub(super) fn on_status(&self, group: GroupId, s: EpochStatus) {
         if s.group != group {
             return;
-        }
-        if let Some(seen) = lock(&self.shared.statuses_seen).get_mut(&(group, s.nonce)) {
-            *seen = Some(seen.map_or(s.epoch, |e| e.max(s.epoch)));
         }
         if s.to == self.shared.identity.id() && verify_by(&s.from, &s.signed_bytes(), &s.signature)
         {
@@ -391,6 +433,8 @@ mod tests {
             group: GroupId([1; 32]),
             device: DeviceId(k.verifying_key().to_bytes()),
             nonce: [2; 16],
+            epoch: 3,
+            ask: vec![DeviceId([8; 32])],
             signature: Vec::new(),
         };
         p.signature = k.sign(&p.signed_bytes()).to_bytes().to_vec();
@@ -401,6 +445,9 @@ mod tests {
         let mut changed = p.clone();
         changed.nonce = [3; 16];
         assert!(!changed.verify());
+        let mut asked_more = p.clone();
+        asked_more.ask.push(DeviceId([9; 32]));
+        assert!(!asked_more.verify(), "the asked list is signed");
     }
 
     #[test]

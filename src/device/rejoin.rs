@@ -950,7 +950,14 @@ impl GroupPeerManager {
                 }
             }
             RendezvousFrame::Probe(p) => {
-                if p.group != group || p.device == me || !p.verify() {
+                if p.group != group || p.device == me {
+                    return;
+                }
+                // Only the members the prober named answer.
+                if !p.ask.contains(&me) {
+                    return;
+                }
+                if !p.verify() {
                     self.shared.counters.dropped.fetch_add(1, Ordering::Relaxed);
                     return;
                 }
