@@ -2337,7 +2337,12 @@ async fn forged_epoch_statuses_strand_nobody() {
     let wb = Watch::new(&b);
     let g = group_of(&a, &[(&b, &wb)], &u).await;
     let (e, _) = agree(&[&a, &b], g).await;
-    let seed = b.manager().record(g).unwrap().rendezvous_seed.expect("a seed");
+    let seed = b
+        .manager()
+        .record(g)
+        .unwrap()
+        .rendezvous_seed
+        .expect("a seed");
     let topic = hubsync::device::topics::rendezvous_topic(&seed);
 
     let key = signing_key(4444);
@@ -2385,9 +2390,16 @@ async fn forged_epoch_statuses_strand_nobody() {
         posted
     });
     let outcome = b.manager().probe_epoch(g).await.unwrap();
-    assert_eq!(forging.await.unwrap(), 2, "both forged statuses were posted");
+    assert_eq!(
+        forging.await.unwrap(),
+        2,
+        "both forged statuses were posted"
+    );
     assert_eq!(outcome, ProbeOutcome::InStep, "a answered for itself");
-    assert!(!b.manager().record(g).unwrap().stranded, "b is not stranded");
+    assert!(
+        !b.manager().record(g).unwrap().stranded,
+        "b is not stranded"
+    );
     assert_eq!(agree(&[&a, &b], g).await.0, e);
 }
 

@@ -998,11 +998,29 @@ struct GroupBelief {
     id: GroupId,
     members: BTreeSet<usize>,
     admins: BTreeMap<usize, Adm>,
+    /// When each belief in `admins` last changed (simulated ms).
+    admins_changed_ms: BTreeMap<usize, u64>,
 }
 
 impl GroupBelief {
     fn adm(&self, d: usize) -> Adm {
         self.admins.get(&d).copied().unwrap_or(Adm::No)
+    }
+
+    fn set_adm(&mut self, d: usize, a: Adm) {
+        self.admins.insert(d, a);
+        self.admins_changed_ms.insert(d, now_ms());
+    }
+
+    /// A hub went back to a copy taken at `since_ms`: a grant or revoke
+    /// accepted after it may be lost (until its author, rejoining, issues
+    /// it again), so what it did is no longer known.
+    fn rewound_since(&mut self, since_ms: u64) {
+        for (d, at) in &self.admins_changed_ms {
+            if *at >= since_ms {
+                self.admins.insert(*d, Adm::Unknown);
+            }
+        }
     }
 }
 
@@ -1180,6 +1198,7 @@ async fn drive(cfg: SimConfig, devs: Vec<mpsc::Sender<Cmd>>, world: Arc<World>) 
                 id: g,
                 members: BTreeSet::from([creator]),
                 admins: BTreeMap::from([(creator, Adm::Yes)]),
+                admins_changed_ms: BTreeMap::new(),
             });
         }
     }
@@ -1224,6 +1243,8 @@ async fn drive(cfg: SimConfig, devs: Vec<mpsc::Sender<Cmd>>, world: Arc<World>) 
     let stranger = ed25519_dalek::SigningKey::from_bytes(&key);
     let mut removed: Vec<(usize, usize)> = Vec::new();
     let mut snapshotted: BTreeSet<usize> = BTreeSet::new();
+    // When each hub's latest copy was asked for.
+    let mut snapshot_ms: BTreeMap<usize, u64> = BTreeMap::new();
     let mut crashed_devs: BTreeSet<usize> = BTreeSet::new();
     // Devices in a long outage: the step they come back at, and since when
     // they are down.
@@ -1291,6 +1312,7 @@ async fn drive(cfg: SimConfig, devs: Vec<mpsc::Sender<Cmd>>, world: Arc<World>) 
                 let i = rng.gen_range(0..cfg.hubs);
                 if !crashed_hubs.contains(&i) {
                     snapshotted.insert(i);
+                    snapshot_ms.insert(i, now_ms());
                     world.control(Control::SnapshotHub(i));
                 }
             }
@@ -1299,6 +1321,14 @@ async fn drive(cfg: SimConfig, devs: Vec<mpsc::Sender<Cmd>>, world: Arc<World>) 
                 let empty = !snapshotted.contains(&i) || rng.gen_bool(0.25);
                 if crashed_hubs.insert(i) {
                     world.control(Control::RewindHub(i, empty));
+                    let since = if empty {
+                        0
+                    } else {
+                        snapshot_ms.get(&i).copied().unwrap_or(0)
+                    };
+                    for g in groups.iter_mut() {
+                        g.rewound_since(since);
+                    }
                 }
             }
         }
@@ -1515,7 +1545,7 @@ async fn drive(cfg: SimConfig, devs: Vec<mpsc::Sender<Cmd>>, world: Arc<World>) 
             let r = ask(&devs[by], OP_LIMIT, |r| Cmd::Invite(g, id_of(who), r)).await;
             if let Some(Ok(_)) = r {
                 groups[gi].members.insert(who);
-                groups[gi].admins.insert(who, Adm::No);
+                groups[gi].set_adm(who, Adm::No);
             }
             attempt = Some((by, refuse, r.clone()));
             format!("invite dev{who} by dev{by} -> {r:?}")
@@ -1534,13 +1564,13 @@ async fn drive(cfg: SimConfig, devs: Vec<mpsc::Sender<Cmd>>, world: Arc<World>) 
             match &r {
                 Some(Ok(_)) => {
                     groups[gi].members.remove(&who);
-                    groups[gi].admins.insert(who, Adm::No);
+                    groups[gi].set_adm(who, Adm::No);
                     removed.push((gi, who));
                 }
                 Some(Err(e)) if e.ledger => {}
                 _ => {
                     if groups[gi].adm(who) == Adm::Yes {
-                        groups[gi].admins.insert(who, Adm::Unknown);
+                        groups[gi].set_adm(who, Adm::Unknown);
                     }
                 }
             }
@@ -1622,13 +1652,11 @@ async fn drive(cfg: SimConfig, devs: Vec<mpsc::Sender<Cmd>>, world: Arc<World>) 
             .await;
             match &r {
                 Some(Ok(_)) => {
-                    groups[gi]
-                        .admins
-                        .insert(who, if revoke { Adm::No } else { Adm::Yes });
+                    groups[gi].set_adm(who, if revoke { Adm::No } else { Adm::Yes });
                 }
                 Some(Err(e)) if e.ledger => {}
                 _ => {
-                    groups[gi].admins.insert(who, Adm::Unknown);
+                    groups[gi].set_adm(who, Adm::Unknown);
                 }
             }
             attempt = Some((by, refuse, r.clone()));

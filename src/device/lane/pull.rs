@@ -685,6 +685,11 @@ impl GroupPeerManager {
         self.emit(Event::HubRewound {
             url: hub.to_string(),
         });
+        // The hub may have lost commits of former logs there too, which a
+        // member that joined on one of them (its cursor there is 0, so it
+        // sees no rewind) would otherwise build on: check them at the next
+        // caught-up pull, not 10 s later.
+        crate::device::manager::lock(&self.shared.former_checked).remove(&group);
         // The rewound log may have lost commits nobody can give back: the
         // group could be further on than anything this log will show. Ask
         // the members (`probe`).
