@@ -2108,10 +2108,11 @@ async fn group_with_member_short_by(
 
 /// The loser of a fork (its commit was accepted, then the hub was restored
 /// from an older copy and another member's commit took that position)
-/// rejoins, and the ledger entry its lost commit carried is issued again,
-/// once.
+/// rejoins; the ledger entry its lost commit carried is issued again, once,
+/// and the message it sent on the lost branch, which the winner could never
+/// read, is sent again under its id and arrives once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_loser_of_a_fork_rejoins_and_its_lost_entry_is_issued_again_once() {
+async fn the_loser_of_a_fork_rejoins_and_its_lost_entry_and_message_are_issued_again_once() {
     let dir = tempfile::tempdir().unwrap();
     let hub = hub_at(dir.path(), "127.0.0.1:0").await;
     let addr = hub.addr().to_string();
@@ -2132,6 +2133,8 @@ async fn the_loser_of_a_fork_rejoins_and_its_lost_entry_is_issued_again_once() {
     b.close().await;
     a.set_setting(g, "color", b"blue").await.unwrap();
     assert_eq!(a.epoch(g).await.unwrap(), e + 1);
+    let lost = a.send(g, b"on the lost branch").await.unwrap();
+    assert_eq!(lost.epoch, e + 1);
     a.close().await;
     hub.stop().await;
     let _hub = hub_at(copy.path(), &addr).await;
@@ -2154,12 +2157,22 @@ async fn the_loser_of_a_fork_rejoins_and_its_lost_entry_is_issued_again_once() {
     let r = a.rotate_keys(g).await.unwrap();
     assert_eq!(r.reenact.len(), 1, "the setting of the lost commit");
     assert_eq!(r.reenact[0].kind, EntryType::GroupSetting);
+    let sent_again =
+        |ev: &Event| matches!(ev, Event::MessagesSentAgain { group, .. } if *group == g);
+    wa.until("a sends its lost message again", sent_again).await;
+    let again: Vec<Event> = wa.snapshot().into_iter().filter(sent_again).collect();
+    assert!(
+        matches!(&again[..], [Event::MessagesSentAgain { ids, older_forgotten: false, .. }] if *ids == vec![lost.id]),
+        "{again:?}"
+    );
+    wb.until_message(g, b"on the lost branch").await;
     agree(&[&a, &b], g).await;
     assert_eq!(settings_named(&a, g, "color"), 1, "issued again, once");
     assert_eq!(settings_named(&b, g, "color"), 1);
     entries_once(&b, g);
     message_reaches(&a, &[&wb], g, b"after the fork").await;
     message_reaches(&b, &[&wa], g, b"reply").await;
+    assert_eq!(wb.got(g, b"on the lost branch"), 1, "sent again, read once");
 }
 
 /// Refusals count only when a member of the requester's view signed them:

@@ -220,6 +220,15 @@ pub fn event_line(e: &Event) -> String {
         Event::Rejoined { group, epoch } => {
             format!("rejoined {} {epoch}", &group.to_string()[..8])
         }
+        Event::MessagesSentAgain {
+            group,
+            ids,
+            older_forgotten,
+        } => format!(
+            "sent-again {} {} {older_forgotten}",
+            &group.to_string()[..8],
+            ids.len()
+        ),
         Event::KeyPackageRefused { device, hub, .. } => {
             format!("key-package-refused {} {hub}", short(device))
         }

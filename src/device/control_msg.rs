@@ -83,7 +83,8 @@ impl GroupPeerManager {
         control: &Control,
     ) -> Result<(), DeviceError> {
         let body = postcard::to_allocvec(control).map_err(|e| DeviceError::Mls(e.to_string()))?;
-        self.broadcast_with(group, &body, CONTROL_AAD, true).await?;
+        self.broadcast_with(group, &body, CONTROL_AAD, true, None)
+            .await?;
         Ok(())
     }
 

@@ -184,6 +184,20 @@ pub enum Event {
         /// The group's epoch after the rejoin.
         epoch: u64,
     },
+    /// After a rejoin, the app messages this device had encrypted on a
+    /// branch of the group it lost (a fork) were sent again in the group's
+    /// epoch, under their own ids (so members that read them the first
+    /// time drop them).
+    MessagesSentAgain {
+        /// The group.
+        group: GroupId,
+        /// Their ids, as `send` answered them.
+        ids: Vec<[u8; 16]>,
+        /// Whether older messages of that branch had already been
+        /// forgotten (more than the kept number were sent since), so they
+        /// never reach the members who did not read them.
+        older_forgotten: bool,
+    },
     /// A remedy did not help (tried by [`commit_with_recovery`], whose
     /// commit then answered its original error, or called by the app).
     ///

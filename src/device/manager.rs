@@ -236,6 +236,9 @@ pub(super) struct Shared {
     pub lanes: Mutex<BTreeMap<GroupId, Arc<tokio::sync::Mutex<()>>>>,
     /// When each group's former commit logs were last checked (ms).
     pub former_checked: Mutex<BTreeMap<GroupId, u64>>,
+    /// Per group: app messages sent since its kept sent messages were last
+    /// pruned (see [`super::records::SENT_KEPT`]).
+    pub sends_unpruned: Mutex<BTreeMap<GroupId, usize>>,
     /// The URL of this device's loopback hub, which the sentinel
     /// [`LOOPBACK_HUB`] stands for.
     pub loopback_url: String,
@@ -381,6 +384,7 @@ impl GroupPeerManager {
                 hlc: HlcClock::new(),
                 lanes: Mutex::new(BTreeMap::new()),
                 former_checked: Mutex::new(BTreeMap::new()),
+                sends_unpruned: Mutex::new(BTreeMap::new()),
                 loopback_url,
                 identity,
                 registry,
@@ -705,6 +709,7 @@ impl GroupPeerManager {
         }
         lock(&self.shared.topics).remove(&group);
         lock(&self.shared.former_checked).remove(&group);
+        lock(&self.shared.sends_unpruned).remove(&group);
     }
 
     /// Make the group's peers follow the hubs its ledger binds (or its

@@ -22,6 +22,9 @@ use openmls_traits::OpenMlsProvider;
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
+
+/// Kept sent messages are pruned once every this many sends in a group.
+const SENDS_PER_PRUNE: usize = 64;
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
@@ -280,6 +283,9 @@ impl GroupPeerManager {
         self.shared
             .records
             .prune_inbox(&mut b, &rec.id, keep_from)?;
+        self.shared
+            .records
+            .prune_sent(&mut b, &rec.id, super::records::SENT_KEPT)?;
         guard.finish(b)?;
         self.publish_topics(rec);
         self.emit(Event::EpochChanged {
@@ -762,6 +768,7 @@ impl GroupPeerManager {
             cursor_stores: std::collections::BTreeMap::new(),
             cursor_digests: std::collections::BTreeMap::new(),
             rendezvous_seed: Some(ext.topic_seed),
+            lost_from: None,
         };
         let mut b = op.take_batch();
         self.shared.records.put_group(&mut b, &rec);
@@ -857,6 +864,7 @@ impl GroupPeerManager {
             cursor_stores: std::collections::BTreeMap::new(),
             cursor_digests: std::collections::BTreeMap::new(),
             rendezvous_seed: Some(topic_seed),
+            lost_from: None,
         };
         let mut b = WriteBatch::new();
         self.shared.records.put_group(&mut b, &rec);
@@ -901,18 +909,23 @@ impl GroupPeerManager {
         // The others cannot read what this device would encrypt in an epoch
         // they left: rejoin first, then encrypt in theirs.
         self.rejoin_if_stranded(group).await?;
-        self.broadcast_with(group, body, &[], wait).await
+        self.broadcast_with(group, body, &[], wait, None).await
     }
 
     /// [`GroupPeerManager::broadcast`] with `aad` as the MLS message's
     /// authenticated data (empty for an app message,
     /// [`CONTROL_AAD`](super::control_msg::CONTROL_AAD) for a control message).
+    /// App messages are kept (the newest [`super::records::SENT_KEPT`] per
+    /// group) to be sent again if the branch they were encrypted on is
+    /// lost; `again` is such a message, sent now under its own id in the
+    /// current epoch (its kept copy of the lost epoch is forgotten).
     pub(super) async fn broadcast_with(
         &self,
         group: GroupId,
         body: &[u8],
         aad: &[u8],
         wait: bool,
+        again: Option<&super::records::SentMessage>,
     ) -> Result<Sent, DeviceError> {
         let outbox = &self.shared.outbox;
         if wait {
@@ -925,7 +938,7 @@ impl GroupPeerManager {
         }
         let mut guard = self.shared.registry.lock(group).await;
         let rec = self.record(group)?;
-        let id = self.next_message_id();
+        let id = again.map_or_else(|| self.next_message_id(), |m| m.id);
         let plain = postcard::to_allocvec(&AppMessage {
             id,
             body: body.to_vec(),
@@ -954,6 +967,35 @@ impl GroupPeerManager {
         self.shared
             .records
             .mark_message(&mut b, &group, &id, &digest(body));
+        if aad.is_empty() {
+            let records = &self.shared.records;
+            // Pruned every so many sends (and at every merge): a scan per
+            // send would cost more than the send. Before the put, so the
+            // prune's deletes cannot take it back.
+            let unpruned = {
+                let mut n = super::manager::lock(&self.shared.sends_unpruned);
+                let n = n.entry(group).or_insert(0);
+                *n = (*n + 1) % SENDS_PER_PRUNE;
+                *n
+            };
+            if unpruned == 1 {
+                records
+                    .prune_sent(&mut b, &group, super::records::SENT_KEPT)
+                    .map_err(|e| DeviceError::Store(e.to_string()))?;
+            }
+            if let Some(old) = again {
+                records.forget_sent(&mut b, &group, old);
+            }
+            records.put_sent(
+                &mut b,
+                &group,
+                &super::records::SentMessage {
+                    epoch,
+                    id,
+                    body: body.to_vec(),
+                },
+            );
+        }
         let mut publish = crate::wire::Publish {
             topic: topic.clone(),
             publish_id: super::frames::publish_id(&id, &topic),

@@ -96,6 +96,13 @@ pub struct GroupRecord {
     /// with no MLS state at hand.
     #[serde(default)]
     pub rendezvous_seed: Option<[u8; 32]>,
+    /// The first epoch of a branch this device lost (a fork it lost: its
+    /// commit framed in the epoch before was displaced by a member's). App
+    /// messages it encrypted in that epoch or later are unreadable to the
+    /// group; once it is a member again it sends them again
+    /// ([`Records::sent_since`]). `None`: nothing known lost.
+    #[serde(default)]
+    pub lost_from: Option<u64>,
 }
 
 /// One commit this device merged, remembered to judge frames of its epoch.
@@ -209,6 +216,12 @@ impl GroupRecord {
         }
     }
 
+    /// Note that this device's branch from `epoch` on was lost (the
+    /// earliest such epoch is kept).
+    pub fn note_lost_from(&mut self, epoch: u64) {
+        self.lost_from = Some(self.lost_from.map_or(epoch, |e| e.min(epoch)));
+    }
+
     /// Remember a merged commit.
     pub fn remember(&mut self, m: MergedCommit) {
         self.merged.retain(|k| k.epoch != m.epoch);
@@ -247,6 +260,30 @@ const JOURNAL: &[u8] = b"eng/journal/";
 const INBOX: &[u8] = b"eng/inbox/";
 const MESSAGE: &[u8] = b"eng/msg/";
 const FUTURE: &[u8] = b"eng/future/";
+const SENT: &[u8] = b"eng/sent/";
+const SENT_PRUNED: &[u8] = b"eng/sent-pruned/";
+
+/// App messages this device sent, kept per group (the newest) so that a
+/// branch it loses can be sent again in the group's epoch.
+pub const SENT_KEPT: usize = 256;
+
+/// One app message this device sent, as kept for sending again.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SentMessage {
+    /// The epoch it was encrypted in.
+    pub epoch: u64,
+    /// Its message id (kept when it is sent again, so receivers that read
+    /// it the first time drop the second).
+    pub id: [u8; 16],
+    /// The app's bytes.
+    pub body: Vec<u8>,
+}
+
+fn sent_key(group: &GroupId, epoch: u64, id: &[u8; 16]) -> Vec<u8> {
+    let mut rest = epoch.to_be_bytes().to_vec();
+    rest.extend_from_slice(id);
+    key(SENT, group, &rest)
+}
 
 fn key(prefix: &[u8], group: &GroupId, rest: &[u8]) -> Vec<u8> {
     let mut k = prefix.to_vec();
@@ -332,7 +369,8 @@ impl Records {
     pub fn delete_group(&self, batch: &mut WriteBatch, id: &GroupId) -> Result<(), KvError> {
         batch.delete(key(GROUP, id, &[]));
         batch.delete(key(JOURNAL, id, &[]));
-        for prefix in [INBOX, MESSAGE, FUTURE, LEDGER, APP_CURSOR] {
+        batch.delete(key(SENT_PRUNED, id, &[]));
+        for prefix in [INBOX, MESSAGE, FUTURE, LEDGER, APP_CURSOR, SENT] {
             for (k, _) in self.kv.scan_prefix(&key(prefix, id, &[]), usize::MAX)? {
                 batch.delete(k);
             }
@@ -537,6 +575,72 @@ impl Records {
         self.kv.scan_prefix(&key(FUTURE, group, &[]), usize::MAX)
     }
 
+    /// Stage an app message this device sent (see [`SentMessage`]).
+    pub fn put_sent(&self, batch: &mut WriteBatch, group: &GroupId, m: &SentMessage) {
+        batch.put(sent_key(group, m.epoch, &m.id), json(m));
+    }
+
+    /// Stage forgetting a sent message (it was sent again in a later epoch).
+    pub fn forget_sent(&self, batch: &mut WriteBatch, group: &GroupId, m: &SentMessage) {
+        batch.delete(sent_key(group, m.epoch, &m.id));
+    }
+
+    /// The kept app messages this device sent in `group` in epoch `from`
+    /// or later, oldest epoch first.
+    ///
+    /// # Errors
+    /// The store's error, or a record that does not decode.
+    pub fn sent_since(&self, group: &GroupId, from: u64) -> Result<Vec<SentMessage>, KvError> {
+        let mut out = Vec::new();
+        for (k, v) in self.kv.scan_prefix(&key(SENT, group, &[]), usize::MAX)? {
+            let m: SentMessage = serde_json::from_slice(&v).map_err(|e| KvError::Corrupt {
+                key: hex::encode(&k),
+                reason: e.to_string(),
+            })?;
+            if m.epoch >= from {
+                out.push(m);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Stage forgetting all but the newest `keep` sent messages of `group`.
+    ///
+    /// # Errors
+    /// The store's error.
+    pub fn prune_sent(
+        &self,
+        batch: &mut WriteBatch,
+        group: &GroupId,
+        keep: usize,
+    ) -> Result<(), KvError> {
+        let all = self.kv.scan_prefix(&key(SENT, group, &[]), usize::MAX)?;
+        let cut = all.len().saturating_sub(keep);
+        if cut == 0 {
+            return Ok(());
+        }
+        let mut through = self.sent_pruned_through(group)?;
+        let prefix = key(SENT, group, &[]).len();
+        for (k, _) in all.into_iter().take(cut) {
+            if let Some(e) = k.get(prefix..prefix + 8).and_then(|b| b.try_into().ok()) {
+                through = through.max(Some(u64::from_be_bytes(e)));
+            }
+            batch.delete(k);
+        }
+        if let Some(e) = through {
+            batch.put(key(SENT_PRUNED, group, &[]), json(&e));
+        }
+        Ok(())
+    }
+
+    /// The latest epoch of a sent message pruned from `group`'s kept ones.
+    ///
+    /// # Errors
+    /// The store's error.
+    pub fn sent_pruned_through(&self, group: &GroupId) -> Result<Option<u64>, KvError> {
+        read(&*self.kv, &key(SENT_PRUNED, group, &[]))
+    }
+
     /// Stage the removal of inbox entries older than `keep_from` epochs.
     ///
     /// # Errors
@@ -554,5 +658,68 @@ impl Records {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv::MemKv;
+
+    fn sent(epoch: u64, n: u8) -> SentMessage {
+        SentMessage {
+            epoch,
+            id: [n; 16],
+            body: vec![n],
+        }
+    }
+
+    /// Sent messages come back from an epoch on, oldest epoch first; the
+    /// prune keeps the newest and remembers the latest epoch it dropped,
+    /// which is how a resend learns that older ones are gone.
+    #[test]
+    fn sent_messages_are_kept_newest_first_and_pruning_is_remembered() {
+        let kv: std::sync::Arc<dyn KvStore> = std::sync::Arc::new(MemKv::new());
+        let r = Records::new(kv.clone());
+        let g = GroupId([7; 32]);
+        let other = GroupId([8; 32]);
+        let mut b = WriteBatch::new();
+        for (epoch, n) in [(3, 1), (1, 2), (2, 3), (3, 4)] {
+            r.put_sent(&mut b, &g, &sent(epoch, n));
+        }
+        r.put_sent(&mut b, &other, &sent(2, 9));
+        kv.apply(&b).unwrap();
+        let epochs: Vec<u64> = r
+            .sent_since(&g, 2)
+            .unwrap()
+            .iter()
+            .map(|m| m.epoch)
+            .collect();
+        assert_eq!(epochs, vec![2, 3, 3]);
+        assert_eq!(r.sent_pruned_through(&g).unwrap(), None);
+
+        let mut b = WriteBatch::new();
+        r.prune_sent(&mut b, &g, 2).unwrap();
+        kv.apply(&b).unwrap();
+        let left: Vec<(u64, u8)> = r
+            .sent_since(&g, 0)
+            .unwrap()
+            .iter()
+            .map(|m| (m.epoch, m.body[0]))
+            .collect();
+        assert_eq!(left, vec![(3, 1), (3, 4)]);
+        assert_eq!(r.sent_pruned_through(&g).unwrap(), Some(2));
+        assert_eq!(
+            r.sent_since(&other, 0).unwrap().len(),
+            1,
+            "another group's are untouched"
+        );
+
+        let mut b = WriteBatch::new();
+        r.forget_sent(&mut b, &g, &sent(3, 1));
+        r.delete_group(&mut b, &g).unwrap();
+        kv.apply(&b).unwrap();
+        assert!(r.sent_since(&g, 0).unwrap().is_empty());
+        assert_eq!(r.sent_pruned_through(&g).unwrap(), None);
     }
 }

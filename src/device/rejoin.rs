@@ -229,6 +229,10 @@ pub enum RejoinResult {
         /// again, with why (an add or a removal that lost its fork cannot
         /// be rebuilt; an entry its author may no longer write).
         not_reenacted: Vec<(Entry, String)>,
+        /// App messages this device had encrypted on a branch it lost,
+        /// sent again in the group's epoch under their own ids (also
+        /// announced as `Event::MessagesSentAgain`).
+        sent_again: Vec<[u8; 16]>,
     },
     /// Members say this device is not in the group: they see no leaf of
     /// it (it was removed). Nothing changed on this device unless
@@ -414,6 +418,7 @@ impl GroupPeerManager {
             .installed_from
             .or_else(|| summary.answered.first().copied());
         let (reenact, not_reenacted) = self.reenact(group, &rec, before).await?;
+        let sent_again = self.send_lost_again(group).await?;
         if !self.record(group)?.ledger_complete {
             // Nobody answered the gather in time: go on asking.
             self.heal_in_background(group);
@@ -425,7 +430,47 @@ impl GroupPeerManager {
             confirmed_by,
             reenact,
             not_reenacted,
+            sent_again,
         })
+    }
+
+    /// Send again, in the current epoch and under their own ids, the app
+    /// messages this device encrypted on a branch of `group` it lost
+    /// ([`GroupRecord::lost_from`](super::records::GroupRecord::lost_from)),
+    /// which the members on the winning branch could never read. Members
+    /// that did read them (they were on that branch too) drop the second
+    /// copy by its id. Then the loss is forgotten; a crash before that
+    /// sends them again, which is harmless for the same reason.
+    async fn send_lost_again(&self, group: GroupId) -> Result<Vec<[u8; 16]>, DeviceError> {
+        let Some(from) = self.record(group)?.lost_from else {
+            return Ok(Vec::new());
+        };
+        let records = &self.shared.records;
+        let lost = records.sent_since(&group, from)?;
+        let older_forgotten = records
+            .sent_pruned_through(&group)?
+            .is_some_and(|e| e >= from);
+        let mut ids = Vec::with_capacity(lost.len());
+        for m in &lost {
+            self.broadcast_with(group, &m.body, &[], true, Some(m))
+                .await?;
+            ids.push(m.id);
+        }
+        {
+            let mut guard = self.shared.registry.lock(group).await;
+            let mut rec = self.record(group)?;
+            rec.lost_from = None;
+            self.save_record(&mut guard, &rec)?;
+        }
+        tracing::info!(%group, from, sent = ids.len(), older_forgotten, "sent again the messages of a lost branch");
+        if !ids.is_empty() || older_forgotten {
+            self.emit(Event::MessagesSentAgain {
+                group,
+                ids: ids.clone(),
+                older_forgotten,
+            });
+        }
+        Ok(ids)
     }
 
     /// Ask on the rendezvous mailbox until an answer's external commit

@@ -483,6 +483,8 @@ impl GroupPeerManager {
                             if self.lost_fork_on(group, link, topic, k).await? {
                                 let mut guard = self.shared.registry.lock(group).await;
                                 let mut rec = self.record(group)?;
+                                rec.note_lost_from(k.epoch + 1);
+                                self.save_record(&mut guard, &rec)?;
                                 self.strand(&mut guard, &mut rec)?;
                                 return Ok(healed);
                             }
@@ -745,7 +747,8 @@ impl GroupPeerManager {
         {
             k.seq = Some(m.seq);
         }
-        match classify(&facts, ours) {
+        let verdict = classify(&facts, ours);
+        match verdict {
             Verdict::Adopt => {
                 let Some(j) = journal else {
                     return Ok(Applied::Next);
@@ -759,7 +762,14 @@ impl GroupPeerManager {
                 Ok(Applied::Next)
             }
             Verdict::ForkLost | Verdict::Ahead | Verdict::OwnUnmerged => {
-                tracing::warn!(group = %rec.id, seq = m.seq, verdict = ?classify(&facts, ours), "stranded");
+                tracing::warn!(group = %rec.id, seq = m.seq, ?verdict, "stranded");
+                if let (Verdict::ForkLost, Some(e)) = (&verdict, facts.epoch) {
+                    // The member's commit framed in `e` took the place of
+                    // ours: what this device encrypted from `e + 1` on,
+                    // the group cannot read.
+                    rec.note_lost_from(e + 1);
+                    self.save_record(guard, rec)?;
+                }
                 self.strand(guard, rec)?;
                 Ok(Applied::Stranded)
             }
