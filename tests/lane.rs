@@ -1018,6 +1018,76 @@ async fn a_former_commit_hub_restored_from_before_the_move_is_given_the_move_bac
     assert_eq!(wa.stranded() + wb.stranded(), 0);
 }
 
+/// As above, but the member that was away commits on the restored old
+/// hub before the member that moved the group is back: its commit took
+/// the move's place there, and the log is what the group goes by. The
+/// mover, checking its former logs, must not give the move back after
+/// that commit (two commits of one epoch on one log, each member following
+/// its own): it finds it lost the fork, rejoins, and the two agree.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mover_whose_move_lost_its_place_on_the_restored_old_hub_rejoins() {
+    let dir = tempfile::tempdir().unwrap();
+    let h0 = hub_at(dir.path(), "127.0.0.1:0").await;
+    let addr = h0.addr().to_string();
+    let h1 = TestHub::start_with(unthrottled).await.unwrap();
+    let u = vec![h0.url().to_string(), h1.url().to_string()];
+    let mut a = TestDevice::open(&u).await.unwrap();
+    let mut b = TestDevice::open(&u).await.unwrap();
+    let wb = Watch::new(&b);
+    let g = group_of(&a, &[(&b, &wb)], &u).await;
+    let (e, _) = agree(&[&a, &b], g).await;
+
+    h0.stop().await;
+    let copy = tempfile::tempdir().unwrap();
+    copy_dir(dir.path(), copy.path());
+    let h0 = hub_at(dir.path(), &addr).await;
+
+    b.close().await;
+    a.set_commit_hub(g, &u[1]).await.unwrap();
+    a.rotate_keys(g).await.unwrap();
+    assert_eq!(a.manager().record(g).unwrap().commit_hub, u[1]);
+    a.close().await;
+    h0.stop().await;
+    let _h0 = hub_at(copy.path(), &addr).await;
+
+    b.reopen().await.unwrap();
+    let wb = Watch::new(&b);
+    let r = b.rotate_keys(g).await.unwrap();
+    assert_eq!(
+        r.outcome.epoch,
+        e + 1,
+        "b's commit took the move's place on the old hub"
+    );
+    assert_eq!(b.manager().record(g).unwrap().commit_hub, u[0]);
+
+    a.reopen().await.unwrap();
+    let wa = Watch::new(&a);
+    wa.until(
+        "a learns its move lost its place",
+        |ev| matches!(ev, Event::Stranded { group } if *group == g),
+    )
+    .await;
+    wa.until(
+        "a rejoins",
+        |ev| matches!(ev, Event::Rejoined { group, .. } if *group == g),
+    )
+    .await;
+    // The move, lost with its commit, is issued again after the rejoin.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while a.manager().record(g).unwrap().commit_hub != u[1] {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "a never issued its move again"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    agree(&[&a, &b], g).await;
+    assert_eq!(b.manager().record(g).unwrap().commit_hub, u[1]);
+    carry_on(&a, &[&a, &b], &[&wb], g, b"a after its rejoin").await;
+    carry_on(&b, &[&a, &b], &[&wa], g, b"b after a's rejoin").await;
+    assert_eq!(wb.stranded(), 0, "b won its epoch");
+}
+
 /// A member offline while its hub lost its store, during which the group
 /// committed as many times as that member had read: its cursor is no
 /// longer above the new head, so only the hub's new store identity can

@@ -443,6 +443,15 @@ impl GroupPeerManager {
                     .head
             };
             for k in lost {
+                // On a log no pull reads, nobody has judged what was
+                // written since the rewind: a member's other commit at this
+                // epoch there won it (the log is what the group goes by),
+                // and giving ours back after it would leave two commits of
+                // one epoch on the log.
+                if !current && self.lost_fork_on(group, link, topic, k).await? {
+                    self.strand_lost_fork(group, k.epoch).await?;
+                    return Ok(healed);
+                }
                 let mut publish = crate::wire::Publish {
                     topic: topic.clone(),
                     publish_id: crate::device::frames::publish_id(&k.digest, topic),
@@ -481,11 +490,7 @@ impl GroupPeerManager {
                             // No later pull reads this log to judge what
                             // took the place: judge it here.
                             if self.lost_fork_on(group, link, topic, k).await? {
-                                let mut guard = self.shared.registry.lock(group).await;
-                                let mut rec = self.record(group)?;
-                                rec.note_lost_from(k.epoch + 1);
-                                self.save_record(&mut guard, &rec)?;
-                                self.strand(&mut guard, &mut rec)?;
+                                self.strand_lost_fork(group, k.epoch).await?;
                                 return Ok(healed);
                             }
                             placed.push((k.epoch, None));
@@ -508,6 +513,16 @@ impl GroupPeerManager {
             self.save_record(&mut guard, &rec)?;
         }
         Ok(healed)
+    }
+
+    /// This device's commit framed in `epoch` lost its place to a member's:
+    /// strand, and note that what it encrypted from `epoch + 1` on is lost.
+    async fn strand_lost_fork(&self, group: GroupId, epoch: u64) -> Result<(), PullError> {
+        let mut guard = self.shared.registry.lock(group).await;
+        let mut rec = self.record(group)?;
+        rec.note_lost_from(epoch + 1);
+        self.save_record(&mut guard, &rec)?;
+        self.strand(&mut guard, &mut rec)
     }
 
     /// Whether a member's different commit holds `ours`'s epoch on `topic`
