@@ -85,6 +85,24 @@ impl Watch {
         .await;
     }
 
+    /// Wait until this device was stranded in `g` (`why`: how).
+    async fn until_stranded(&self, g: GroupId, why: &str) {
+        self.until(
+            why,
+            |ev| matches!(ev, Event::Stranded { group } if *group == g),
+        )
+        .await;
+    }
+
+    /// Wait until this device rejoined `g` (`why`: how).
+    async fn until_rejoined(&self, g: GroupId, why: &str) {
+        self.until(
+            why,
+            |ev| matches!(ev, Event::Rejoined { group, .. } if *group == g),
+        )
+        .await;
+    }
+
     fn joined(&self, g: GroupId) -> bool {
         self.count(|e| matches!(e, Event::GroupJoined { group, .. } if *group == g)) > 0
     }
@@ -1062,16 +1080,9 @@ async fn a_mover_whose_move_lost_its_place_on_the_restored_old_hub_rejoins() {
 
     a.reopen().await.unwrap();
     let wa = Watch::new(&a);
-    wa.until(
-        "a learns its move lost its place",
-        |ev| matches!(ev, Event::Stranded { group } if *group == g),
-    )
-    .await;
-    wa.until(
-        "a rejoins",
-        |ev| matches!(ev, Event::Rejoined { group, .. } if *group == g),
-    )
-    .await;
+    wa.until_stranded(g, "a learns its move lost its place")
+        .await;
+    wa.until_rejoined(g, "a rejoins").await;
     // The move, lost with its commit, is issued again after the rejoin.
     let deadline = tokio::time::Instant::now() + WAIT;
     while a.manager().record(g).unwrap().commit_hub != u[1] {
@@ -1969,11 +1980,7 @@ async fn shallow_hub() -> TestHub {
 async fn reopened_stranded(c: &mut TestDevice, g: GroupId) -> Watch {
     c.reopen().await.unwrap();
     let wc = Watch::new(c);
-    wc.until(
-        "stranded",
-        |ev| matches!(ev, Event::Stranded { group } if *group == g),
-    )
-    .await;
+    wc.until_stranded(g, "stranded").await;
     wc
 }
 
@@ -2078,11 +2085,7 @@ async fn a_stranded_member_that_only_reads_rejoins_on_its_own() {
     }
     c.reopen().await.unwrap();
     let wc = Watch::new(&c);
-    wc.until(
-        "rejoined",
-        |ev| matches!(ev, Event::Rejoined { group, .. } if *group == g),
-    )
-    .await;
+    wc.until_rejoined(g, "rejoined").await;
     assert!(
         first_at(&wc, |ev| matches!(ev, Event::Stranded { .. }))
             < first_at(&wc, |ev| matches!(ev, Event::Rejoined { .. })),
@@ -2219,11 +2222,7 @@ async fn the_loser_of_a_fork_rejoins_and_its_lost_entry_and_message_are_issued_a
 
     a.reopen().await.unwrap();
     let wa = Watch::new(&a);
-    wa.until(
-        "a learns it lost the fork",
-        |ev| matches!(ev, Event::Stranded { group } if *group == g),
-    )
-    .await;
+    wa.until_stranded(g, "a learns it lost the fork").await;
     let r = a.rotate_keys(g).await.unwrap();
     assert_eq!(r.reenact.len(), 1, "the setting of the lost commit");
     assert_eq!(r.reenact[0].kind, EntryType::GroupSetting);
@@ -2383,16 +2382,8 @@ async fn a_member_on_a_log_restored_from_an_old_backup_learns_by_probe_that_the_
     let _hub = hub_at(backup.path(), &addr).await;
     b.reopen().await.unwrap();
     let wb = Watch::new(&b);
-    wb.until(
-        "b learns the group moved on",
-        |ev| matches!(ev, Event::Stranded { group } if *group == g),
-    )
-    .await;
-    wb.until(
-        "b rejoins on its own",
-        |ev| matches!(ev, Event::Rejoined { group, .. } if *group == g),
-    )
-    .await;
+    wb.until_stranded(g, "b learns the group moved on").await;
+    wb.until_rejoined(g, "b rejoins on its own").await;
     // The rejoin gathers the ledger it missed (x's invite) after it joins.
     wb.until(
         "b's ledger gathered",
