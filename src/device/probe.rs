@@ -324,9 +324,7 @@ impl GroupPeerManager {
     ) -> Result<(), DeviceError> {
         let jitter = self.shared.rng.next_u64() % (ANSWER_JITTER_MS + 1);
         tokio::time::sleep(Duration::from_millis(jitter)).await;
-        if let Err(e) = self.pull(group).await {
-            tracing::debug!(%group, error = %e, "pull before an epoch status failed");
-        }
+        self.read_before_answering(group).await;
         let me = &self.shared.identity;
         let mut guard = self.shared.registry.lock(group).await;
         let rec = self.record(group)?;

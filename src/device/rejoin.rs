@@ -1044,10 +1044,9 @@ impl GroupPeerManager {
             _ = cancel.cancelled() => return Ok(()),
             _ = tokio::time::sleep(Duration::from_millis(jitter)) => {}
         }
-        // Answer from the log's end, so the head we name is current.
-        if let Err(e) = self.pull(group).await {
-            tracing::debug!(%group, error = %e, "pull before a rejoin answer failed");
-        }
+        // Answer from the log's end, so the head we name is current, and
+        // from the branch the group is on.
+        self.read_before_answering(group).await;
         let me = &self.shared.identity;
         let crypto = self.shared.registry.provider().crypto();
         let mut guard = self.shared.registry.lock(group).await;

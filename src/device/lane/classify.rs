@@ -133,9 +133,37 @@ pub fn classify(f: &Facts, ours: u64) -> Verdict {
     Verdict::Process
 }
 
+/// Whether a log trimmed past this device's cursor (its oldest held frame
+/// comes after the cursor's next position) may have taken commits this
+/// device never read: not when a held frame is a commit it merged (a
+/// rewound log read again from the start). What was trimmed came before
+/// that commit on the log, so this device has it or passed it; a
+/// stranger's junk at the start of what is held changes nothing.
+/// `held`: digests of the frames the log still holds, in log order;
+/// `merged`: digests of the commits this device remembers merging.
+pub fn trim_hides_commits<'a>(
+    mut held: impl Iterator<Item = &'a [u8; 32]>,
+    merged: &[[u8; 32]],
+) -> bool {
+    !held.any(|d| merged.contains(d))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_trimmed_prefix_hides_commits_unless_a_held_frame_is_one_we_merged() {
+        let (junk, ours, theirs) = ([1u8; 32], [2u8; 32], [3u8; 32]);
+        let merged = [ours];
+        assert!(!trim_hides_commits([ours, theirs].iter(), &merged));
+        assert!(
+            !trim_hides_commits([junk, junk, ours].iter(), &merged),
+            "junk held before our commit (sim seed 351)"
+        );
+        assert!(trim_hides_commits([junk, theirs].iter(), &merged));
+        assert!(trim_hides_commits([].iter(), &merged));
+    }
 
     fn member_frame(epoch: u64) -> Facts {
         Facts {

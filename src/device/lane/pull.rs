@@ -9,7 +9,7 @@
 //! next pull tries it again.
 
 use super::build::{parse_enacted_aad, seal_key, CommitFrame};
-use super::classify::{classify, Facts, MergedThere, SkipReason, Verdict};
+use super::classify::{classify, trim_hides_commits, Facts, MergedThere, SkipReason, Verdict};
 use super::{CommitError, JournalEntry};
 use crate::device::events::Event;
 use crate::device::frames::digest;
@@ -287,17 +287,10 @@ impl GroupPeerManager {
                     }
                 }
             }
-            if f.gap
-                && f.messages.first().is_some_and(|m| {
-                    let d = digest(&m.payload);
-                    seen.merged.iter().any(|k| k.digest == d)
-                })
-            {
-                // The oldest frame the log still holds is a commit this
-                // device merged (a rewound log read again from the start,
-                // its prefix trimmed): what was trimmed came before it, and
-                // this device has it. No gap for us.
-                f.gap = false;
+            if f.gap {
+                let held: Vec<[u8; 32]> = f.messages.iter().map(|m| digest(&m.payload)).collect();
+                let merged: Vec<[u8; 32]> = seen.merged.iter().map(|k| k.digest).collect();
+                f.gap = trim_hides_commits(held.iter(), &merged);
             }
             if f.gap {
                 let mut guard = self.shared.registry.lock(group).await;
@@ -586,6 +579,26 @@ impl GroupPeerManager {
                 }
             }
         }
+        self.check_former_logs_now(group).await
+    }
+
+    /// Read `group`'s log to its end and check its former logs now, before
+    /// telling another device where the group is (a rejoin answer, an
+    /// epoch status): a member whose commit lost its place on a rewound
+    /// former log is on a branch the group left, and would lead the asker
+    /// onto it. Failures are only logged: the answer then goes by what
+    /// this device knows, and the regular checks go on.
+    pub(crate) async fn read_before_answering(&self, group: GroupId) {
+        if let Err(e) = self.pull(group).await {
+            tracing::debug!(%group, error = %e, "pull before an answer failed");
+        }
+        if let Err(e) = self.check_former_logs_now(group).await {
+            tracing::debug!(%group, error = %e, "former-log check before an answer failed");
+        }
+    }
+
+    /// [`Self::check_former_logs`] without its interval.
+    async fn check_former_logs_now(&self, group: GroupId) -> Result<(), PullError> {
         let rec = self.record(group)?;
         if rec.stranded {
             return Ok(());
