@@ -357,6 +357,18 @@ fn all_faults_trimmed_junk_before_our_commit_is_no_gap() {
     holds_with_all_faults(351);
 }
 
+/// Seed 455: dev2, back from a long outage at epoch 1 and still cut off,
+/// sent a message there while the group was at epoch 13; the outbox
+/// delivered it once the network healed, and nobody could read an epoch
+/// that old. dev2 then found itself left behind and rejoined, but the
+/// message stayed lost. Now a device that strands sends again, after its
+/// rejoin, what it sent since it last knew itself at the log's end.
+#[test]
+fn all_faults_message_sent_while_far_behind_is_sent_again() {
+    let r = holds_with_all_faults(455);
+    assert!(r["rejoins"].as_u64() >= Some(1), "seed 455 rejoined: {r}");
+}
+
 fn holds_with_all_faults(seed: u64) -> serde_json::Value {
     let r = run_in_process(seed, 30, "all");
     assert_eq!(r["violations"], serde_json::json!([]), "seed {seed}");

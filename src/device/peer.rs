@@ -993,6 +993,7 @@ impl GroupPeerManager {
                     epoch,
                     id,
                     body: body.to_vec(),
+                    at_ms: self.shared.clock.now_ms(),
                 },
             );
         }

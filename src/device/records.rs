@@ -277,6 +277,9 @@ pub struct SentMessage {
     pub id: [u8; 16],
     /// The app's bytes.
     pub body: Vec<u8>,
+    /// When it was sent, on this device's clock (ms since the Unix epoch).
+    #[serde(default)]
+    pub at_ms: u64,
 }
 
 fn sent_key(group: &GroupId, epoch: u64, id: &[u8; 16]) -> Vec<u8> {
@@ -604,6 +607,45 @@ impl Records {
         Ok(out)
     }
 
+    /// The earliest epoch among `group`'s kept sent messages that were
+    /// encrypted in epoch `through` or earlier and sent at `after_ms` or
+    /// later (`None`: there are none).
+    ///
+    /// # Errors
+    /// The store's error, or a record that does not decode.
+    pub fn first_sent_behind(
+        &self,
+        group: &GroupId,
+        through: u64,
+        after_ms: u64,
+    ) -> Result<Option<u64>, KvError> {
+        let prefix = key(SENT, group, &[]);
+        // Keys run in epoch order: most merges find the oldest already
+        // past `through` and read one entry.
+        let oldest = self.kv.scan_prefix(&prefix, 1)?;
+        let past = |k: &[u8]| {
+            k.get(prefix.len()..prefix.len() + 8)
+                .and_then(|b| b.try_into().ok())
+                .is_none_or(|e| u64::from_be_bytes(e) > through)
+        };
+        if oldest.first().is_none_or(|(k, _)| past(k)) {
+            return Ok(None);
+        }
+        for (k, v) in self.kv.scan_prefix(&prefix, usize::MAX)? {
+            if past(&k) {
+                break;
+            }
+            let m: SentMessage = serde_json::from_slice(&v).map_err(|e| KvError::Corrupt {
+                key: hex::encode(&k),
+                reason: e.to_string(),
+            })?;
+            if m.at_ms >= after_ms {
+                return Ok(Some(m.epoch));
+            }
+        }
+        Ok(None)
+    }
+
     /// Stage forgetting all but the newest `keep` sent messages of `group`.
     ///
     /// # Errors
@@ -671,6 +713,7 @@ mod tests {
             epoch,
             id: [n; 16],
             body: vec![n],
+            at_ms: u64::from(n) * 1000,
         }
     }
 
@@ -697,6 +740,12 @@ mod tests {
             .collect();
         assert_eq!(epochs, vec![2, 3, 3]);
         assert_eq!(r.sent_pruned_through(&g).unwrap(), None);
+        // Sent at 1, 2, 3 and 4 s, in epochs 3, 1, 2 and 3.
+        assert_eq!(r.first_sent_behind(&g, 0, 0).unwrap(), None);
+        assert_eq!(r.first_sent_behind(&g, 3, 0).unwrap(), Some(1));
+        assert_eq!(r.first_sent_behind(&g, 3, 2500).unwrap(), Some(2));
+        assert_eq!(r.first_sent_behind(&g, 2, 3500).unwrap(), None);
+        assert_eq!(r.first_sent_behind(&g, 3, 3500).unwrap(), Some(3));
 
         let mut b = WriteBatch::new();
         r.prune_sent(&mut b, &g, 2).unwrap();

@@ -434,6 +434,31 @@ impl GroupPeerManager {
         })
     }
 
+    /// [`Self::send_lost_again`] in a task of its own (one per group at a
+    /// time); a failure is counted (`control_failures`) and left for the
+    /// next caught-up pull, which tries again while the loss is noted.
+    pub(crate) fn send_lost_again_in_background(&self, group: GroupId) {
+        if !lock(&self.shared.resending).insert(group) {
+            return;
+        }
+        let me = self.clone();
+        self.shared.tasks.spawn(async move {
+            let stop = me.shared.shutdown.clone();
+            let result = tokio::select! {
+                _ = stop.cancelled() => Ok(Vec::new()),
+                r = me.send_lost_again(group) => r,
+            };
+            lock(&me.shared.resending).remove(&group);
+            if let Err(e) = result {
+                me.shared
+                    .counters
+                    .control_failures
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                tracing::warn!(%group, error = %e, "sending lost messages again failed; tried again at the next caught-up pull");
+            }
+        });
+    }
+
     /// Send again, in the current epoch and under their own ids, the app
     /// messages this device encrypted on a branch of `group` it lost
     /// ([`GroupRecord::lost_from`](super::records::GroupRecord::lost_from)),

@@ -38,6 +38,11 @@ const PAGE: u32 = 100;
 /// (`check_former_logs`).
 const FORMER_CHECK_MS: u64 = 10_000;
 
+/// How far the hub's clock and this device's may disagree when telling
+/// whether a message was sent after a commit (see
+/// `note_sends_left_behind`).
+const SEND_CLOCK_SKEW_MS: u64 = 30_000;
+
 /// Where a pull ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Pulled {
@@ -305,6 +310,13 @@ impl GroupPeerManager {
                 if lost_here && self.heal(group, &hub, &link, f.head).await? {
                     continue;
                 }
+                crate::device::manager::lock(&self.shared.caught_up_at)
+                    .insert(group, self.shared.clock.now_ms());
+                if seen.lost_from.is_some() && !seen.stranded {
+                    // Caught up: what this device sent on a lost branch, or
+                    // too far behind, can now be sent in the group's epoch.
+                    self.send_lost_again_in_background(group);
+                }
                 if !from_lane {
                     if let Err(e) = self.check_former_logs(group).await {
                         // Checked again at the next caught-up pull after
@@ -365,6 +377,21 @@ impl GroupPeerManager {
     fn strand(&self, guard: &mut GroupGuard, rec: &mut GroupRecord) -> Result<(), PullError> {
         if !rec.stranded {
             rec.stranded = true;
+            // What this device sent since it last knew itself at the log's
+            // end may be in an epoch the group left too far behind to read
+            // (it does not know how far): sent again after the rejoin,
+            // receivers that did read it drop the copy by its id.
+            let since = crate::device::manager::lock(&self.shared.caught_up_at)
+                .get(&rec.id)
+                .copied()
+                .unwrap_or(0);
+            if let Some(e) = self
+                .shared
+                .records
+                .first_sent_behind(&rec.id, u64::MAX, since)?
+            {
+                rec.note_lost_from(e);
+            }
             self.save_record(guard, rec)?;
             self.emit(Event::Stranded { group: rec.id });
             self.heal_in_background(rec.id);
@@ -931,6 +958,7 @@ impl GroupPeerManager {
                 self.report_lost(rec.id, &j);
             }
         }
+        self.note_sends_left_behind(rec, epoch, m.published_at_ms)?;
         let before_hub = rec.commit_hub.clone();
         self.land_merged(
             guard,
@@ -949,6 +977,36 @@ impl GroupPeerManager {
             b,
         )?;
         Ok(self.after_apply(rec, &before_hub))
+    }
+
+    /// Merging a member's commit framed in `framed`, published at
+    /// `published_at_ms`: an app message this device encrypted
+    /// [`MAX_PAST_EPOCHS`](crate::device::mls::MAX_PAST_EPOCHS) or more epochs before it, and sent after
+    /// that commit was already on the log (this device was behind and did
+    /// not know it, offline, say), reached members that had moved past the
+    /// epochs they keep: nobody could read it. Note its epoch as lost, so
+    /// it is sent again once this device has caught up. The hub's clock
+    /// and this device's may differ: a message sent within
+    /// [`SEND_CLOCK_SKEW_MS`] before the commit counts as after it (at
+    /// worst it is sent twice, and receivers drop the second by its id).
+    fn note_sends_left_behind(
+        &self,
+        rec: &mut GroupRecord,
+        framed: u64,
+        published_at_ms: u64,
+    ) -> Result<(), PullError> {
+        let Some(through) = framed.checked_sub(crate::device::mls::MAX_PAST_EPOCHS as u64) else {
+            return Ok(());
+        };
+        let after = published_at_ms.saturating_sub(SEND_CLOCK_SKEW_MS);
+        if let Some(e) = self
+            .shared
+            .records
+            .first_sent_behind(&rec.id, through, after)?
+        {
+            rec.note_lost_from(e);
+        }
+        Ok(())
     }
 
     /// Check what a staged commit does to the ledger: the ids its
