@@ -586,6 +586,40 @@ impl HubClient {
         }
     }
 
+    /// The SHA-256 of each of this device's pool packages on the hub, in
+    /// claim order.
+    ///
+    /// # Errors
+    /// As [`HubClient::request`].
+    pub async fn list_key_packages(&self) -> Result<Vec<[u8; 32]>, ClientError> {
+        match self.request(Request::ListKeyPackages).await? {
+            Response::KeyPackageDigests { digests } => Ok(digests),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Replace this device's whole key package pool on the hub (and set
+    /// the last resort when given); answers the pool size.
+    ///
+    /// # Errors
+    /// As [`HubClient::request`].
+    pub async fn replace_key_packages(
+        &self,
+        packages: Vec<Vec<u8>>,
+        last_resort: Option<Vec<u8>>,
+    ) -> Result<u32, ClientError> {
+        match self
+            .request(Request::ReplaceKeyPackages {
+                packages,
+                last_resort,
+            })
+            .await?
+        {
+            Response::KeyPackagesStored { pool } => Ok(pool),
+            other => Err(unexpected(other)),
+        }
+    }
+
     /// Claim one key package of `device`: `(package, is_last_resort)`.
     ///
     /// # Errors

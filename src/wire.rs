@@ -460,6 +460,19 @@ pub enum Request {
     KeyPackageStatus,
     /// Liveness check.
     Ping,
+    /// Replace this device's whole pool with `packages` (those stored are
+    /// deleted in the same transaction), and set the last resort when
+    /// given. A device uses it when the hub holds packages it no longer
+    /// has the keys of (a hub restored from a backup brings back packages
+    /// claimed since). Answered like `UploadKeyPackages`.
+    ReplaceKeyPackages {
+        /// The new pool.
+        packages: Vec<Vec<u8>>,
+        /// The package handed out when the pool is empty.
+        last_resort: Option<Vec<u8>>,
+    },
+    /// The SHA-256 of each package in this device's pool, in claim order.
+    ListKeyPackages,
 }
 
 /// The successful answer to a [`Request`].
@@ -512,6 +525,11 @@ pub enum Response {
     Pong {
         /// The hub's wall clock, ms since the Unix epoch.
         server_time_ms: u64,
+    },
+    /// Answer to `ListKeyPackages`.
+    KeyPackageDigests {
+        /// SHA-256 of each pool package, in claim order.
+        digests: Vec<[u8; 32]>,
     },
 }
 
@@ -861,7 +879,7 @@ impl From<DecodeError> for HubError {
 
 /// The number of [`Request`] variants; an operation index at or above this is
 /// unknown.
-const REQUEST_OPS: u32 = 10;
+const REQUEST_OPS: u32 = 12;
 
 fn encode_body<T: Serialize>(kind: u8, body: &T) -> Vec<u8> {
     let out = vec![kind];
@@ -1042,7 +1060,7 @@ mod tests {
         // The last variant must have index REQUEST_OPS - 1.
         let bytes = ClientFrame::Request {
             id: 0,
-            op: Request::Ping,
+            op: Request::ListKeyPackages,
         }
         .encode();
         assert_eq!(bytes, vec![2, 0, (REQUEST_OPS - 1) as u8]);

@@ -2563,3 +2563,80 @@ async fn a_rejoin_with_nobody_to_answer_fails_and_a_removed_device_gets_no_group
     );
     assert_eq!(a.manager().record(g).unwrap().cursor(), head);
 }
+
+/// A hub restored from a backup brings back a key package that was
+/// claimed and used since: a Welcome built on it could never be read, and
+/// its member would never join. Back on the hub, the device finds the hub
+/// holding more packages than it has keys for, replaces its pool there,
+/// and the next invite reaches it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_package_a_restored_hub_brings_back_is_replaced_before_anyone_claims_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let hub = hub_at(dir.path(), "127.0.0.1:0").await;
+    let addr = hub.addr().to_string();
+    let u = vec![hub.url().to_string()];
+    let a = TestDevice::open(&u).await.unwrap();
+    let mut ob = device_options(&u);
+    ob.manager.key_packages = 2;
+    let mut b = TestDevice::open_with(ob).await.unwrap();
+    b.ready_for_invites(WAIT).await.unwrap();
+
+    hub.stop().await;
+    let copy = tempfile::tempdir().unwrap();
+    copy_dir(dir.path(), copy.path());
+    let hub = hub_at(dir.path(), &addr).await;
+    let wb = Watch::new(&b);
+    // The first package in b's pool is claimed, and b joins with it.
+    group_of(&a, &[(&b, &wb)], &u).await;
+    assert_eq!(b.stats().key_packages_replaced, 0);
+
+    b.close().await;
+    hub.stop().await;
+    let _hub = hub_at(copy.path(), &addr).await;
+    b.reopen().await.unwrap();
+    let wb = Watch::new(&b);
+    b.ready_for_invites(WAIT).await.unwrap();
+    assert_eq!(
+        b.stats().key_packages_replaced,
+        1,
+        "b replaced the pool the restored hub held"
+    );
+    let g2 = group_of(&a, &[(&b, &wb)], &u).await;
+    assert!(
+        !wb.snapshot()
+            .iter()
+            .any(|ev| matches!(ev, Event::WelcomeRefused { .. })),
+        "no Welcome built on a package b had no keys for"
+    );
+    message_reaches(&a, &[&wb], g2, b"b is in").await;
+}
+
+/// Only a device replaces its own pool: a stranger's replace touches only
+/// the stranger's, and the victim's packages stay claimable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stranger_cannot_replace_another_devices_key_packages() {
+    let hubs = hubs(1).await;
+    let u = urls(&hubs);
+    let a = TestDevice::open(&u).await.unwrap();
+    let mut ob = device_options(&u);
+    ob.manager.key_packages = 2;
+    let b = TestDevice::open_with(ob).await.unwrap();
+    b.ready_for_invites(WAIT).await.unwrap();
+    let stranger = hubs[0].client(&signing_key(9191)).await.unwrap();
+    let pool = stranger
+        .replace_key_packages(vec![b"junk".to_vec()], None)
+        .await
+        .unwrap();
+    assert_eq!(pool, 1, "the stranger's own pool");
+    assert_eq!(stranger.key_package_status().await.unwrap(), (1, false));
+    assert_eq!(
+        stranger.list_key_packages().await.unwrap(),
+        vec![<[u8; 32]>::from(<sha2::Sha256 as sha2::Digest>::digest(
+            b"junk"
+        ))],
+        "a device lists only its own pool"
+    );
+    let wb = Watch::new(&b);
+    let g = group_of(&a, &[(&b, &wb)], &u).await;
+    message_reaches(&a, &[&wb], g, b"b's own package").await;
+}

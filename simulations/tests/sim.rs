@@ -369,6 +369,17 @@ fn all_faults_message_sent_while_far_behind_is_sent_again() {
     assert!(r["rejoins"].as_u64() >= Some(1), "seed 455 rejoined: {r}");
 }
 
+/// Seed 638: hub1 was restored from a copy taken before dev4's key
+/// package was claimed for its first group; the restored hub handed the
+/// same package out again, and dev4, which had deleted its keys when it
+/// joined, could never read the Welcome: the roster held a member that
+/// never joined. Now a device replaces its pool on a hub that holds
+/// packages it has no keys for.
+#[test]
+fn all_faults_key_package_brought_back_by_a_restore_is_replaced() {
+    holds_with_all_faults(638);
+}
+
 fn holds_with_all_faults(seed: u64) -> serde_json::Value {
     let r = run_in_process(seed, 30, "all");
     assert_eq!(r["violations"], serde_json::json!([]), "seed {seed}");

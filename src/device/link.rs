@@ -1316,6 +1316,37 @@ impl HubLink {
             .await?)
     }
 
+    /// The SHA-256 of each of this device's pool packages on the hub.
+    ///
+    /// # Errors
+    /// As [`HubLink::publish`].
+    ///
+    /// # Cancel safety
+    /// Cancel safe.
+    pub async fn list_key_packages(&self) -> Result<Vec<[u8; 32]>, LinkError> {
+        Ok(self.connected().await?.list_key_packages().await?)
+    }
+
+    /// Replace this device's whole key package pool on the hub; answers
+    /// the pool size.
+    ///
+    /// # Errors
+    /// As [`HubLink::publish`].
+    ///
+    /// # Cancel safety
+    /// Cancel safe for the link; the replacement may still take effect.
+    pub async fn replace_key_packages(
+        &self,
+        packages: Vec<Vec<u8>>,
+        last_resort: Option<Vec<u8>>,
+    ) -> Result<u32, LinkError> {
+        Ok(self
+            .connected()
+            .await?
+            .replace_key_packages(packages, last_resort)
+            .await?)
+    }
+
     /// Claim one key package of `device`: `(package, is_last_resort)`.
     ///
     /// # Errors

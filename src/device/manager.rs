@@ -16,7 +16,7 @@ use super::lane::LOOPBACK_HUB;
 use super::ledger::HlcClock;
 use super::link::{HubLink, LinkConfig, LinkError};
 use super::outbox::{Outbox, OutboxSink, SendFailure};
-use super::records::{GroupId, GroupRecord, Records};
+use super::records::{GroupId, GroupRecord, Records, UploadedKeyPackage};
 use super::registry::Registry;
 use super::topics;
 use crate::clock::Clock;
@@ -24,6 +24,10 @@ use crate::rng::SharedRng;
 use crate::transport::Connector;
 use crate::wire::{Publish, PublishOutcome, TopicId};
 use futures::future::BoxFuture;
+use openmls::prelude::{KeyPackageBundle, KeyPackageRef};
+use openmls_traits::storage::StorageProvider as _;
+use openmls_traits::OpenMlsProvider as _;
+use sha2::Digest as _;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
@@ -139,6 +143,9 @@ pub struct DeviceStats {
     /// Members' control requests (ledger requests) this device could not
     /// answer (a store or MLS failure; the requester sees no answer).
     pub control_failures: u64,
+    /// Times a hub held key packages this device no longer had the keys
+    /// of (restored from a backup) and its pool there was replaced.
+    pub key_packages_replaced: u64,
 }
 
 #[derive(Default)]
@@ -151,6 +158,7 @@ pub(super) struct Counters {
     pub lost_races: AtomicU64,
     pub inbox_trimmed: AtomicU64,
     pub control_failures: AtomicU64,
+    pub key_packages_replaced: AtomicU64,
 }
 
 /// The topics a group's peers read.
@@ -477,6 +485,7 @@ impl GroupPeerManager {
             lost_races: r(&c.lost_races),
             inbox_trimmed: r(&c.inbox_trimmed),
             control_failures: r(&c.control_failures),
+            key_packages_replaced: r(&c.key_packages_replaced),
             outbox_owed: self.shared.outbox.owed(),
         }
     }
@@ -939,19 +948,79 @@ impl GroupPeerManager {
         link.flush_subscriptions()
             .await
             .map_err(|e| hub_error(link.url(), e))?;
-        let (pool, has_last) = link
+        let (_, has_last) = link
             .key_package_status()
             .await
             .map_err(|e| hub_error(link.url(), e))?;
         let want = self.shared.config.key_packages;
+        let records = &self.shared.records;
+        let hub = link.url();
+        let on_hub = link
+            .list_key_packages()
+            .await
+            .map_err(|e| hub_error(hub, e))?;
+        // Of those uploaded here, the ones still on the hub whose private
+        // keys this device still holds (a Welcome that used one deleted it).
+        let storage = self.shared.registry.provider().storage();
+        let mut live = Vec::new();
+        for u in records.uploaded_key_packages(hub)? {
+            let held = storage
+                .key_package::<KeyPackageRef, KeyPackageBundle>(&u.r)
+                .map_err(|e| DeviceError::Store(e.to_string()))?
+                .is_some();
+            if held && on_hub.contains(&u.digest) {
+                live.push(u);
+            }
+        }
+        let uploaded = |refs: Vec<KeyPackageRef>, packages: &[Vec<u8>]| {
+            refs.into_iter()
+                .zip(packages)
+                .map(|(r, p)| UploadedKeyPackage {
+                    r,
+                    digest: sha2::Sha256::digest(p).into(),
+                })
+                .collect::<Vec<_>>()
+        };
+        if on_hub.len() > live.len() {
+            // The hub holds packages this device has no keys for (a hub
+            // restored from a backup brings back packages claimed and used
+            // since): a Welcome built on one could never be read, and its
+            // member would never join. Replace the whole pool.
+            let (packages, refs, last) = self.make_key_packages(want as usize, !has_last)?;
+            let new = uploaded(refs, &packages);
+            let mut b = crate::kv::WriteBatch::new();
+            records.put_uploaded_key_packages(&mut b, hub, &new);
+            records.kv().apply(&b)?;
+            link.replace_key_packages(packages, last)
+                .await
+                .map_err(|e| hub_error(hub, e))?;
+            tracing::warn!(
+                hub,
+                held = on_hub.len(),
+                live = live.len(),
+                "the hub held key packages this device has no keys for; replaced its pool"
+            );
+            self.shared
+                .counters
+                .key_packages_replaced
+                .fetch_add(1, Ordering::Relaxed);
+            return Ok(());
+        }
+        let pool = on_hub.len() as u32;
         if pool >= want && has_last {
             return Ok(());
         }
         let n = want.saturating_sub(pool) as usize;
-        let (packages, last) = self.make_key_packages(n, !has_last)?;
+        let (packages, refs, last) = self.make_key_packages(n, !has_last)?;
+        // Recorded before the upload: a package on the hub this device does
+        // not know of would look like one it has no keys for.
+        live.extend(uploaded(refs, &packages));
+        let mut b = crate::kv::WriteBatch::new();
+        records.put_uploaded_key_packages(&mut b, hub, &live);
+        records.kv().apply(&b)?;
         link.upload_key_packages(packages, last)
             .await
-            .map_err(|e| hub_error(link.url(), e))?;
+            .map_err(|e| hub_error(hub, e))?;
         Ok(())
     }
 }

@@ -45,7 +45,8 @@ pub struct Sent {
 }
 
 /// Serialized pool key packages and, when asked for, a last-resort one.
-type KeyPackages = (Vec<Vec<u8>>, Option<Vec<u8>>);
+/// Pool key packages (encoded), their references, and a last resort.
+type KeyPackages = (Vec<Vec<u8>>, Vec<KeyPackageRef>, Option<Vec<u8>>);
 
 /// One frame for a peer to handle: pushed (with a delivery id to ack) or
 /// fetched during catch-up (no id).
@@ -1037,7 +1038,7 @@ impl GroupPeerManager {
     ) -> Result<KeyPackages, DeviceError> {
         let op = OpProvider::new(self.shared.registry.provider().clone());
         let me = &self.shared.identity;
-        let build = |last: bool| -> Result<Vec<u8>, DeviceError> {
+        let build = |last: bool| -> Result<(Vec<u8>, KeyPackageRef), DeviceError> {
             let mut builder = KeyPackage::builder()
                 .leaf_node_capabilities(mls::capabilities())
                 .key_package_lifetime(self.lifetime());
@@ -1052,24 +1053,31 @@ impl GroupPeerManager {
                     me.credential_with_key(),
                 )
                 .map_err(|e| DeviceError::Mls(e.to_string()))?;
-            bundle
-                .key_package()
+            let kp = bundle.key_package();
+            let r = kp
+                .hash_ref(op.crypto())
+                .map_err(|e| DeviceError::Mls(e.to_string()))?;
+            let bytes = kp
                 .tls_serialize_detached()
-                .map_err(|e| DeviceError::Mls(e.to_string()))
+                .map_err(|e| DeviceError::Mls(e.to_string()))?;
+            Ok((bytes, r))
         };
         let mut pool = Vec::with_capacity(n);
+        let mut refs = Vec::with_capacity(n);
         for _ in 0..n {
-            pool.push(build(false)?);
+            let (bytes, r) = build(false)?;
+            pool.push(bytes);
+            refs.push(r);
         }
         let last = if last_resort {
-            Some(build(true)?)
+            Some(build(true)?.0)
         } else {
             None
         };
         let kv = self.shared.registry.provider().kv();
         kv.apply(&op.take_batch())?;
         kv.flush()?;
-        Ok((pool, last))
+        Ok((pool, refs, last))
     }
 
     /// Members of a group.

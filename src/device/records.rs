@@ -262,6 +262,7 @@ const MESSAGE: &[u8] = b"eng/msg/";
 const FUTURE: &[u8] = b"eng/future/";
 const SENT: &[u8] = b"eng/sent/";
 const SENT_PRUNED: &[u8] = b"eng/sent-pruned/";
+const KEY_PACKAGES_UPLOADED: &[u8] = b"eng/kp-uploaded/";
 
 /// App messages this device sent, kept per group (the newest) so that a
 /// branch it loses can be sent again in the group's epoch.
@@ -280,6 +281,15 @@ pub struct SentMessage {
     /// When it was sent, on this device's clock (ms since the Unix epoch).
     #[serde(default)]
     pub at_ms: u64,
+}
+
+/// A pool key package this device uploaded to a hub.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct UploadedKeyPackage {
+    /// Its reference: what its private key is stored under.
+    pub r: openmls::prelude::KeyPackageRef,
+    /// SHA-256 of its bytes, as the hub lists them.
+    pub digest: [u8; 32],
 }
 
 fn sent_key(group: &GroupId, epoch: u64, id: &[u8; 16]) -> Vec<u8> {
@@ -576,6 +586,29 @@ impl Records {
     /// The store's error.
     pub fn future_frames(&self, group: &GroupId) -> Result<crate::kv::Entries, KvError> {
         self.kv.scan_prefix(&key(FUTURE, group, &[]), usize::MAX)
+    }
+
+    /// The pool key packages this device uploaded to `hub` that were still
+    /// there at its last look: each one's reference (what its private key
+    /// is stored under) and the SHA-256 of its bytes (what the hub lists).
+    ///
+    /// # Errors
+    /// The store's error, or a record that does not decode.
+    pub fn uploaded_key_packages(&self, hub: &str) -> Result<Vec<UploadedKeyPackage>, KvError> {
+        Ok(read(&*self.kv, &[KEY_PACKAGES_UPLOADED, hub.as_bytes()].concat())?.unwrap_or_default())
+    }
+
+    /// Stage the pool key packages this device has uploaded to `hub`.
+    pub fn put_uploaded_key_packages(
+        &self,
+        batch: &mut WriteBatch,
+        hub: &str,
+        uploaded: &[UploadedKeyPackage],
+    ) {
+        batch.put(
+            [KEY_PACKAGES_UPLOADED, hub.as_bytes()].concat(),
+            json(&uploaded),
+        );
     }
 
     /// Stage an app message this device sent (see [`SentMessage`]).

@@ -963,6 +963,34 @@ impl HubCore {
         packages: &[Vec<u8>],
         last_resort: Option<Vec<u8>>,
     ) -> Result<Durable<u32>, HubError> {
+        self.store_key_packages(device, packages, last_resort, false)
+            .await
+    }
+
+    /// Replace `device`'s whole pool with `packages` (and set its last
+    /// resort when given), in one transaction: no claim sees a mix of old
+    /// and new. Only the device itself reaches this (its authenticated
+    /// connection names it). Answers the pool size.
+    ///
+    /// # Errors
+    /// As [`Self::upload_key_packages`].
+    pub async fn replace_key_packages(
+        &self,
+        device: DeviceId,
+        packages: &[Vec<u8>],
+        last_resort: Option<Vec<u8>>,
+    ) -> Result<Durable<u32>, HubError> {
+        self.store_key_packages(device, packages, last_resort, true)
+            .await
+    }
+
+    async fn store_key_packages(
+        &self,
+        device: DeviceId,
+        packages: &[Vec<u8>],
+        last_resort: Option<Vec<u8>>,
+        replace: bool,
+    ) -> Result<Durable<u32>, HubError> {
         let max = self.limits.max_key_package_bytes;
         for kp in packages.iter().chain(last_resort.iter()) {
             if kp.is_empty() || kp.len() > max {
@@ -974,8 +1002,21 @@ impl HubCore {
         }
         self.rate.check(&device, None)?;
         let mkey = l::key_package_meta(&device);
+        let prefix = l::key_package_prefix(&device);
+        let prefix_end = crate::kv::prefix_end(&prefix);
         Ok(transact!(self, tx => {
             let mut meta: KeyPackageMeta = read(&mut *tx, &mkey).await?.unwrap_or_default();
+            if replace {
+                // The pool is bounded (`max_key_packages`): one range read.
+                let rows = tx
+                    .range(&prefix, prefix_end.as_deref(), usize::MAX)
+                    .await
+                    .map_err(internal)?;
+                for (k, _) in rows {
+                    tx.delete(k);
+                }
+                meta.pool = 0;
+            }
             let adding = packages.len() as u64;
             if meta.pool as u64 + adding > self.limits.max_key_packages as u64 {
                 return Err(HubError::KeyPackagePoolFull {
@@ -1072,6 +1113,28 @@ impl HubCore {
         Ok(transact!(self, tx => {
             let meta: KeyPackageMeta = read(&mut *tx, &mkey).await?.unwrap_or_default();
             (meta.pool, meta.last_resort.is_some())
+        }))
+    }
+
+    /// The SHA-256 of each package in `device`'s pool, in claim order
+    /// (the pool is bounded by `max_key_packages`).
+    ///
+    /// # Errors
+    /// `Internal`.
+    pub async fn key_package_digests(
+        &self,
+        device: DeviceId,
+    ) -> Result<Durable<Vec<[u8; 32]>>, HubError> {
+        let prefix = l::key_package_prefix(&device);
+        let prefix_end = crate::kv::prefix_end(&prefix);
+        Ok(transact!(self, tx => {
+            let rows = tx
+                .range(&prefix, prefix_end.as_deref(), usize::MAX)
+                .await
+                .map_err(internal)?;
+            rows.iter()
+                .map(|(_, v)| Sha256::digest(v).into())
+                .collect::<Vec<[u8; 32]>>()
         }))
     }
 

@@ -518,6 +518,23 @@ impl Conn {
                 }
                 Err(e) => self.respond(id, Err(e)).await,
             },
+            Request::ReplaceKeyPackages {
+                packages,
+                last_resort,
+            } => match core.replace_key_packages(d, &packages, last_resort).await {
+                Ok(r) => {
+                    let out = Response::KeyPackagesStored { pool: r.value };
+                    self.respond_when_durable(id, r.gen, out, vec![]).await;
+                }
+                Err(e) => self.respond(id, Err(e)).await,
+            },
+            Request::ListKeyPackages => match core.key_package_digests(d).await {
+                Ok(r) => {
+                    let out = Response::KeyPackageDigests { digests: r.value };
+                    self.respond_when_durable(id, r.gen, out, vec![]).await;
+                }
+                Err(e) => self.respond(id, Err(e)).await,
+            },
             Request::ClaimKeyPackage { device } => match core.claim_key_package(d, device).await {
                 Ok(r) => {
                     let (package, last_resort) = r.value;
