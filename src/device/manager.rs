@@ -231,11 +231,6 @@ pub(super) struct Shared {
     /// Groups whose lost messages a background task sends again now (one
     /// per group).
     pub resending: Mutex<std::collections::BTreeSet<GroupId>>,
-    /// Per group: when a pull of this process last found this device at
-    /// the end of the group's commit log (ms). What it sent before, the
-    /// group could read; what it sent since, it may not, if it turns out
-    /// to be left behind.
-    pub caught_up_at: Mutex<BTreeMap<GroupId, u64>>,
     /// Members' control requests this device is handling now (at most
     /// [`super::control_msg::MAX_CONTROL_TASKS`]).
     pub control_tasks: AtomicU64,
@@ -410,7 +405,6 @@ impl GroupPeerManager {
                 answering: Mutex::new(BTreeMap::new()),
                 probing: Mutex::new(std::collections::BTreeSet::new()),
                 resending: Mutex::new(std::collections::BTreeSet::new()),
-                caught_up_at: Mutex::new(BTreeMap::new()),
                 healing: Mutex::new(std::collections::BTreeSet::new()),
                 control_tasks: AtomicU64::new(0),
                 records,
@@ -729,7 +723,6 @@ impl GroupPeerManager {
         lock(&self.shared.topics).remove(&group);
         lock(&self.shared.former_checked).remove(&group);
         lock(&self.shared.sends_unpruned).remove(&group);
-        lock(&self.shared.caught_up_at).remove(&group);
     }
 
     /// Make the group's peers follow the hubs its ledger binds (or its

@@ -770,6 +770,7 @@ impl GroupPeerManager {
             cursor_digests: std::collections::BTreeMap::new(),
             rendezvous_seed: Some(ext.topic_seed),
             lost_from: None,
+            caught_up_at_ms: 0,
         };
         let mut b = op.take_batch();
         self.shared.records.put_group(&mut b, &rec);
@@ -866,6 +867,7 @@ impl GroupPeerManager {
             cursor_digests: std::collections::BTreeMap::new(),
             rendezvous_seed: Some(topic_seed),
             lost_from: None,
+            caught_up_at_ms: 0,
         };
         let mut b = WriteBatch::new();
         self.shared.records.put_group(&mut b, &rec);

@@ -103,6 +103,12 @@ pub struct GroupRecord {
     /// ([`Records::sent_since`]). `None`: nothing known lost.
     #[serde(default)]
     pub lost_from: Option<u64>,
+    /// When a pull last found this device at the end of the group's commit
+    /// log (ms on this device's clock; kept to within
+    /// `CAUGHT_UP_GRANULARITY_MS`, so a busy group's record is not written
+    /// on every pull). What it sent before, the group could read.
+    #[serde(default)]
+    pub caught_up_at_ms: u64,
 }
 
 /// One commit this device merged, remembered to judge frames of its epoch.

@@ -41,7 +41,11 @@ const FORMER_CHECK_MS: u64 = 10_000;
 /// How far the hub's clock and this device's may disagree when telling
 /// whether a message was sent after a commit (see
 /// `note_sends_left_behind`).
-const SEND_CLOCK_SKEW_MS: u64 = 30_000;
+const SEND_CLOCK_SKEW_MS: u64 = 2_000;
+
+/// How stale `GroupRecord::caught_up_at_ms` may be: it is written at most
+/// once per this interval.
+const CAUGHT_UP_GRANULARITY_MS: u64 = 60_000;
 
 /// Where a pull ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -310,8 +314,13 @@ impl GroupPeerManager {
                 if lost_here && self.heal(group, &hub, &link, f.head).await? {
                     continue;
                 }
-                crate::device::manager::lock(&self.shared.caught_up_at)
-                    .insert(group, self.shared.clock.now_ms());
+                let now = self.shared.clock.now_ms();
+                if now.saturating_sub(seen.caught_up_at_ms) >= CAUGHT_UP_GRANULARITY_MS {
+                    let mut guard = self.shared.registry.lock(group).await;
+                    let mut rec = self.record(group)?;
+                    rec.caught_up_at_ms = now;
+                    self.save_record(&mut guard, &rec)?;
+                }
                 if seen.lost_from.is_some() && !seen.stranded {
                     // Caught up: what this device sent on a lost branch, or
                     // too far behind, can now be sent in the group's epoch.
@@ -381,10 +390,7 @@ impl GroupPeerManager {
             // end may be in an epoch the group left too far behind to read
             // (it does not know how far): sent again after the rejoin,
             // receivers that did read it drop the copy by its id.
-            let since = crate::device::manager::lock(&self.shared.caught_up_at)
-                .get(&rec.id)
-                .copied()
-                .unwrap_or(0);
+            let since = rec.caught_up_at_ms;
             if let Some(e) = self
                 .shared
                 .records
