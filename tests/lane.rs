@@ -2278,49 +2278,25 @@ async fn forged_rejoin_refusals_make_nobody_forget_its_group() {
 
     let key = signing_key(4343);
     let forger = DeviceId(key.verifying_key().to_bytes());
-    let client = hubs[0].client(&key).await.unwrap();
     let names = [names_of_members[0], names_of_members[1], forger];
-    let bid = b.id();
-    // The mailbox reaches those subscribed when a frame is posted.
-    client.subscribe(&topic, None).await.unwrap();
-    let mut pushes = client.take_pushes().expect("the push stream");
-    client.receive(0).await.unwrap();
-    let forging = tokio::spawn(async move {
-        let mut posted = 0;
-        let request = loop {
-            let push = tokio::time::timeout(WAIT, pushes.recv())
-                .await
-                .expect("b's request in time")
-                .expect("push stream open");
-            let Push::Delivery(d) = push else { continue };
-            client.ack(vec![d.id]).await.unwrap();
-            if let Ok(RendezvousFrame::Request(r)) = postcard::from_bytes(&d.payload) {
-                if r.device == bid {
-                    break r;
-                }
-            }
-        };
-        for (n, from) in names.into_iter().enumerate() {
-            let mut refusal = RejoinRefusal {
-                group: request.group,
-                nonce: request.nonce,
-                to: request.device,
-                from,
-                signature: Vec::new(),
-            };
-            refusal.signature = key.sign(&refusal.signed_bytes()).to_bytes().to_vec();
-            let mut p = unsigned_publish(
-                &topic,
-                900 + n as u64,
-                postcard::to_stdvec(&RendezvousFrame::Refusal(refusal)).unwrap(),
-            );
-            p.class = RetentionClass::Mailbox;
-            p.retention_secs = Some(60);
-            accepted_seq(client.publish(p).await.unwrap());
-            posted += 1;
-        }
-        posted
-    });
+    let signer = key.clone();
+    let forging = forge_after_request(&hubs[0], &key, &topic, b.id(), move |request| {
+        names
+            .into_iter()
+            .map(|from| {
+                let mut refusal = RejoinRefusal {
+                    group: request.group,
+                    nonce: request.nonce,
+                    to: request.device,
+                    from,
+                    signature: Vec::new(),
+                };
+                refusal.signature = signer.sign(&refusal.signed_bytes()).to_bytes().to_vec();
+                RendezvousFrame::Refusal(refusal)
+            })
+            .collect()
+    })
+    .await;
     let r = b.rejoin_group(g).await.unwrap();
     assert_eq!(forging.await.unwrap(), 3, "every forged refusal was posted");
     assert!(
@@ -2334,6 +2310,115 @@ async fn forged_rejoin_refusals_make_nobody_forget_its_group() {
         "b forgot its group"
     );
     assert_eq!(b.epoch(g).await.unwrap(), e, "b keeps its group");
+}
+
+/// On `hub`, wait for `requester`'s rejoin request on the rendezvous
+/// mailbox `topic`, then post what `frames` makes of it, as the holder of
+/// `key` (someone who learned the topic). Answers how many were posted.
+async fn forge_after_request(
+    hub: &TestHub,
+    key: &ed25519_dalek::SigningKey,
+    topic: &TopicId,
+    requester: DeviceId,
+    frames: impl FnOnce(
+            hubsync::device::rejoin::RejoinRequest,
+        ) -> Vec<hubsync::device::rejoin::RendezvousFrame>
+        + Send
+        + 'static,
+) -> tokio::task::JoinHandle<usize> {
+    use hubsync::device::rejoin::RendezvousFrame;
+    let client = hub.client(key).await.unwrap();
+    // The mailbox reaches those subscribed when a frame is posted.
+    client.subscribe(topic, None).await.unwrap();
+    let mut pushes = client.take_pushes().expect("the push stream");
+    client.receive(0).await.unwrap();
+    let topic = topic.clone();
+    tokio::spawn(async move {
+        let request = loop {
+            let push = tokio::time::timeout(WAIT, pushes.recv())
+                .await
+                .expect("the request in time")
+                .expect("push stream open");
+            let Push::Delivery(d) = push else { continue };
+            client.ack(vec![d.id]).await.unwrap();
+            if let Ok(RendezvousFrame::Request(r)) = postcard::from_bytes(&d.payload) {
+                if r.device == requester {
+                    break r;
+                }
+            }
+        };
+        let mut posted = 0;
+        for (n, f) in frames(request).into_iter().enumerate() {
+            let mut p = unsigned_publish(&topic, 900 + n as u64, postcard::to_stdvec(&f).unwrap());
+            p.class = RetentionClass::Mailbox;
+            p.retention_secs = Some(60);
+            accepted_seq(client.publish(p).await.unwrap());
+            posted += 1;
+        }
+        posted
+    })
+}
+
+/// Rejoin answers carry their epoch in the clear, and members drop their
+/// own answer for one as far on: someone who learned the rendezvous topic
+/// posts answers claiming the highest epoch, one signed in its own name,
+/// one in a member's name with a bad signature, neither of which opens.
+/// Neither silences the member, and the requester, trying the furthest on
+/// first, passes over both and rejoins with the member's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forged_rejoin_answers_silence_nobody() {
+    use ed25519_dalek::Signer;
+    use hubsync::device::rejoin::{RejoinAnswer, RendezvousFrame};
+    let hubs = hubs(1).await;
+    let u = urls(&hubs);
+    let a = TestDevice::open(&u).await.unwrap();
+    let b = TestDevice::open(&u).await.unwrap();
+    let c = TestDevice::open(&u).await.unwrap();
+    let (wb, wc) = (Watch::new(&b), Watch::new(&c));
+    let g = group_with_incomplete_member(&a, &[(&c, &wc)], &b, &wb, &u).await;
+    let (e, _) = agree(&[&a, &c], g).await;
+    wait_epoch(&b, g, e).await;
+    let seed = b
+        .manager()
+        .record(g)
+        .unwrap()
+        .rendezvous_seed
+        .expect("a seed");
+    let topic = hubsync::device::topics::rendezvous_topic(&seed);
+
+    let key = signing_key(4545);
+    let forger = DeviceId(key.verifying_key().to_bytes());
+    let member = a.id();
+    let signer = key.clone();
+    let forging = forge_after_request(&hubs[0], &key, &topic, b.id(), move |request| {
+        [forger, member]
+            .into_iter()
+            .map(|from| {
+                let mut answer = RejoinAnswer {
+                    group: request.group,
+                    nonce: request.nonce,
+                    to: request.device,
+                    from,
+                    epoch: u64::MAX,
+                    kem_output: vec![7; 32],
+                    ciphertext: vec![7; 64],
+                    signature: Vec::new(),
+                };
+                // In the member's name the forger can only sign with its
+                // own key: a signature that does not verify.
+                answer.signature = signer.sign(&answer.signed_bytes()).to_bytes().to_vec();
+                RendezvousFrame::Answer(answer)
+            })
+            .collect()
+    })
+    .await;
+    let r = b.rejoin_group(g).await.unwrap();
+    assert_eq!(forging.await.unwrap(), 2, "both forged answers were posted");
+    assert!(
+        matches!(r, hubsync::device::RejoinResult::Recovered { .. }),
+        "the members' answer went through: {r:?}"
+    );
+    agree(&[&a, &b, &c], g).await;
 }
 
 /// A hub restored from a backup older than what one member read, after

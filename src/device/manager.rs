@@ -223,7 +223,7 @@ pub(super) struct Shared {
     pub rejoins: Mutex<BTreeMap<RequestKey, mpsc::Sender<super::rejoin::Incoming>>>,
     /// Members' rejoin requests this device means to answer: cancelled when
     /// another member's answer to the same request is seen first.
-    pub answering: Mutex<BTreeMap<RequestKey, CancellationToken>>,
+    pub answering: Mutex<BTreeMap<RequestKey, Arc<super::rejoin::Answering>>>,
     /// Groups a background rejoin is healing now (one task per group).
     pub healing: Mutex<std::collections::BTreeSet<GroupId>>,
     /// Groups a background epoch probe runs for now (one per group).

@@ -48,7 +48,8 @@ use openmls_traits::types::HpkeCiphertext;
 use openmls_traits::OpenMlsProvider;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
@@ -62,10 +63,28 @@ const REQUEST_DOMAIN: &[u8] = b"hubsync rejoin request v1";
 
 /// What a refusal's signature covers, after this domain.
 const REFUSAL_DOMAIN: &[u8] = b"hubsync rejoin refusal v1";
+/// The domain of a rejoin answer's signature.
+const ANSWER_DOMAIN: &[u8] = b"hubsync rejoin answer signature v1";
 
 /// How long a rendezvous frame waits at a hub for a subscriber that is
 /// away: past it the request is stale anyway.
 const RENDEZVOUS_RETENTION_SECS: u64 = 60;
+
+/// A member's answer to a rejoin request in the making: cancelled when
+/// another member's answer from at least `epoch` is seen.
+pub(crate) struct Answering {
+    /// Cancels the answer.
+    pub cancel: CancellationToken,
+    /// This member's epoch when it took the request (`u64::MAX` until read).
+    pub epoch: AtomicU64,
+    /// The members of its tree then (set with the epoch): only their
+    /// answers cancel this one.
+    pub members: std::sync::OnceLock<BTreeSet<DeviceId>>,
+}
+
+/// How long a requester, holding a usable answer, waits for answers from
+/// further on before it joins with the furthest.
+pub const ANSWER_COLLECT: Duration = Duration::from_millis(300);
 
 /// The longest a member waits before answering a rejoin request (a random
 /// wait from 0 to this), so that usually one member answers and the others
@@ -149,12 +168,45 @@ pub struct RejoinAnswer {
     /// The answering member (what it claims: the GroupInfo's own signature
     /// is what the requester trusts).
     pub from: DeviceId,
+    /// The answering member's epoch, in the clear: other members cancel
+    /// their own answers only for one at least as far on, and the
+    /// requester, of the answers that come within [`ANSWER_COLLECT`] of the
+    /// first, joins with the furthest on (a member left on a branch the
+    /// group abandoned does not know it, and would lead it there).
+    pub epoch: u64,
     /// HPKE encapsulated key.
     #[serde(with = "serde_bytes")]
     pub kem_output: Vec<u8>,
     /// HPKE ciphertext of the postcard [`Grant`].
     #[serde(with = "serde_bytes")]
     pub ciphertext: Vec<u8>,
+    /// `from`'s ed25519 signature over [`RejoinAnswer::signed_bytes`]: a
+    /// member cancels its own answer only for one signed by a member of
+    /// its tree, so nobody else who knows the mailbox can silence them.
+    #[serde(with = "serde_bytes")]
+    pub signature: Vec<u8>,
+}
+
+impl RejoinAnswer {
+    /// What the signature covers: the domain, then group, nonce, `to`,
+    /// `from`, `epoch` (8 bytes big-endian), and SHA-256 of `kem_output`
+    /// then of `ciphertext`.
+    pub fn signed_bytes(&self) -> Vec<u8> {
+        let mut m = ANSWER_DOMAIN.to_vec();
+        m.extend_from_slice(&self.group.0);
+        m.extend_from_slice(&self.nonce);
+        m.extend_from_slice(&self.to.0);
+        m.extend_from_slice(&self.from.0);
+        m.extend_from_slice(&self.epoch.to_be_bytes());
+        m.extend_from_slice(&digest(&self.kem_output));
+        m.extend_from_slice(&digest(&self.ciphertext));
+        m
+    }
+
+    /// Whether `from` signed it.
+    pub fn verify(&self) -> bool {
+        verify_by(&self.from, &self.signed_bytes(), &self.signature)
+    }
 }
 
 /// A member does not see the requester in its tree (it was removed).
@@ -569,7 +621,7 @@ impl GroupPeerManager {
                 Ok(None) => break Ok(Err(refused)),
                 Ok(Some(got)) => got,
             };
-            let a = match got {
+            let first = match got {
                 Incoming::Refusal(from) => {
                     refused.insert(from);
                     continue;
@@ -578,37 +630,68 @@ impl GroupPeerManager {
                 Incoming::Status { .. } => continue,
                 Incoming::Answer(a) => a,
             };
-            let input = HpkeCiphertext {
-                kem_output: a.kem_output.into(),
-                ciphertext: a.ciphertext.into(),
-            };
-            let grant = crypto
-                .hpke_open(
-                    mls::CIPHERSUITE.hpke_config(),
-                    &input,
-                    keys.private.as_ref(),
-                    GRANT_INFO,
-                    &grant_aad(&group, &nonce),
-                )
-                .map_err(mls_err)
-                .and_then(|plain| postcard::from_bytes::<Grant>(&plain).map_err(mls_err));
-            let grant = match grant {
-                Ok(g) => g,
-                Err(e) => {
-                    tracing::warn!(%group, from = %a.from, error = %e, "a rejoin answer does not open");
-                    continue;
+            // Members further on may answer a little later: of what comes
+            // within the window, the furthest on first. The epoch is only
+            // a hint in the clear: an answer that does not open (anyone who
+            // knows the mailbox can post one) passes to the next.
+            let mut answers = vec![first];
+            let window = Instant::now() + ANSWER_COLLECT;
+            while let Ok(Some(more)) = tokio::time::timeout_at(window, rx.recv()).await {
+                match more {
+                    Incoming::Answer(b) => answers.push(b),
+                    Incoming::Refusal(from) => {
+                        refused.insert(from);
+                    }
+                    Incoming::Status { .. } => {}
                 }
-            };
-            match self.join_external(group, seed, &grant).await {
-                Ok((epoch, seq)) => break Ok(Ok((a.from, epoch, seq))),
-                Err(JoinFailure::Retry(why)) => {
-                    tracing::info!(%group, why, "the external commit did not land; asking again");
-                    next_ask = Instant::now();
+            }
+            answers.sort_by_key(|x| std::cmp::Reverse(x.epoch));
+            let mut joined = None;
+            for a in answers {
+                let input = HpkeCiphertext {
+                    kem_output: a.kem_output.into(),
+                    ciphertext: a.ciphertext.into(),
+                };
+                let grant = crypto
+                    .hpke_open(
+                        mls::CIPHERSUITE.hpke_config(),
+                        &input,
+                        keys.private.as_ref(),
+                        GRANT_INFO,
+                        &grant_aad(&group, &nonce),
+                    )
+                    .map_err(mls_err)
+                    .and_then(|plain| postcard::from_bytes::<Grant>(&plain).map_err(mls_err));
+                let grant = match grant {
+                    Ok(g) => g,
+                    Err(e) => {
+                        tracing::warn!(%group, from = %a.from, error = %e, "a rejoin answer does not open");
+                        continue;
+                    }
+                };
+                match self.join_external(group, seed, &grant).await {
+                    Ok((epoch, seq)) => {
+                        joined = Some(Ok((a.from, epoch, seq)));
+                        break;
+                    }
+                    Err(JoinFailure::Retry(why)) => {
+                        tracing::info!(%group, why, "the external commit did not land; asking again");
+                        next_ask = Instant::now();
+                        break;
+                    }
+                    Err(JoinFailure::Refused(why)) => {
+                        tracing::warn!(%group, from = %a.from, why, "a rejoin answer was refused");
+                    }
+                    Err(JoinFailure::Device(e)) => {
+                        joined = Some(Err(e));
+                        break;
+                    }
                 }
-                Err(JoinFailure::Refused(why)) => {
-                    tracing::warn!(%group, from = %a.from, why, "a rejoin answer was refused");
-                }
-                Err(JoinFailure::Device(e)) => break Err(e),
+            }
+            match joined {
+                Some(Ok(j)) => break Ok(Ok(j)),
+                Some(Err(e)) => break Err(e),
+                None => {}
             }
         };
         lock(&self.shared.rejoins).remove(&(group, nonce));
@@ -998,9 +1081,14 @@ impl GroupPeerManager {
                     // Registered by the task itself: a request dropped
                     // over the bound leaves nothing behind.
                     let nonce = r.nonce;
-                    let token = CancellationToken::new();
-                    lock(&this.shared.answering).insert((group, nonce), token.clone());
-                    let result = this.answer_rejoin(group, &hub, r, token).await;
+                    let answering = Arc::new(Answering {
+                        cancel: CancellationToken::new(),
+                        // Not known yet: cancelled by no answer until it is.
+                        epoch: AtomicU64::new(u64::MAX),
+                        members: std::sync::OnceLock::new(),
+                    });
+                    lock(&this.shared.answering).insert((group, nonce), answering.clone());
+                    let result = this.answer_rejoin(group, &hub, r, answering).await;
                     lock(&this.shared.answering).remove(&(group, nonce));
                     result
                 });
@@ -1009,9 +1097,17 @@ impl GroupPeerManager {
                 if a.group != group {
                     return;
                 }
-                // Another member answered: ours is not needed.
+                // Another member answered from at least as far on: ours
+                // is not needed.
+                if !a.verify() {
+                    self.shared.counters.dropped.fetch_add(1, Ordering::Relaxed);
+                    return;
+                }
                 if let Some(t) = lock(&self.shared.answering).get(&(group, a.nonce)) {
-                    t.cancel();
+                    let by_member = t.members.get().is_some_and(|m| m.contains(&a.from));
+                    if by_member && a.epoch >= t.epoch.load(Ordering::Relaxed) {
+                        t.cancel.cancel();
+                    }
                 }
                 if a.to == me {
                     if let Some(tx) = lock(&self.shared.rejoins).get(&(group, a.nonce)) {
@@ -1062,8 +1158,16 @@ impl GroupPeerManager {
         group: GroupId,
         hub: &str,
         r: RejoinRequest,
-        cancel: CancellationToken,
+        answering: Arc<Answering>,
     ) -> Result<(), DeviceError> {
+        let cancel = &answering.cancel;
+        {
+            let mut guard = self.shared.registry.lock(group).await;
+            let epoch = guard.read(|g| g.epoch().as_u64())?;
+            let members: BTreeSet<DeviceId> = self.member_set(&mut guard)?.into_iter().collect();
+            let _ = answering.members.set(members);
+            answering.epoch.store(epoch, Ordering::Relaxed);
+        }
         let jitter = self.shared.rng.next_u64() % (ANSWER_JITTER_MS + 1);
         tokio::select! {
             _ = cancel.cancelled() => return Ok(()),
@@ -1076,6 +1180,8 @@ impl GroupPeerManager {
         let crypto = self.shared.registry.provider().crypto();
         let mut guard = self.shared.registry.lock(group).await;
         let rec = self.record(group)?;
+        let epoch = guard.read(|g| g.epoch().as_u64())?;
+        answering.epoch.store(epoch, Ordering::Relaxed);
         if rec.stranded || cancel.is_cancelled() {
             return Ok(());
         }
@@ -1103,14 +1209,18 @@ impl GroupPeerManager {
                     &plain,
                 )
                 .map_err(|e| DeviceError::Mls(format!("HPKE seal: {e:?}")))?;
-            RendezvousFrame::Answer(RejoinAnswer {
+            let mut a = RejoinAnswer {
                 group,
                 nonce: r.nonce,
                 to: r.device,
                 from: me.id(),
+                epoch,
                 kem_output: sealed.kem_output.as_slice().to_vec(),
                 ciphertext: sealed.ciphertext.as_slice().to_vec(),
-            })
+                signature: Vec::new(),
+            };
+            a.signature = me.sign(&a.signed_bytes()).to_bytes().to_vec();
+            RendezvousFrame::Answer(a)
         } else {
             drop(guard);
             let mut f = RejoinRefusal {
