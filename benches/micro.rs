@@ -115,7 +115,6 @@ fn codec(c: &mut Criterion) {
         })),
     };
     let server_deliver = ServerFrame::Deliver(Delivery {
-        id: 123_456,
         topic: topic.clone(),
         seq: 1_001,
         class: RetentionClass::Log,

@@ -8,7 +8,7 @@
 
 use crate::transport::{handshake_url, ws_config, Connector};
 use crate::wire::{
-    auth_message, Auth, ClientFrame, Delivery, DeviceId, FetchResult, HubError, Publish,
+    auth_message, Auth, ClientFrame, Delivery, DeviceId, FetchResult, FrameRef, HubError, Publish,
     PublishOutcome, Request, Response, ServerFrame, StoreId, TopicId, MIN_PROTOCOL_VERSION,
     PROTOCOL_VERSION,
 };
@@ -538,27 +538,28 @@ impl HubClient {
         }
     }
 
-    /// Start this device's receive stream after `after`; deliveries arrive on
-    /// [`HubClient::take_pushes`]. Answers the highest delivery id the hub
-    /// ever gave this device (0: none): below `after`, the hub's store went
-    /// back in time (restored from an older copy) and nothing between the
-    /// two will come on this stream.
+    /// Start (or replace) this device's receive stream; deliveries arrive
+    /// on [`HubClient::take_pushes`]: for each subscription, every frame
+    /// after the frames this device acknowledged there, then each new one.
     ///
     /// # Errors
     /// As [`HubClient::request`].
-    pub async fn receive(&self, after: u64) -> Result<u64, ClientError> {
-        match self.request(Request::Receive { after }).await? {
-            Response::ReceiveStarted { last_id } => Ok(last_id),
+    pub async fn receive(&self) -> Result<(), ClientError> {
+        match self.request(Request::Receive).await? {
+            Response::ReceiveStarted => Ok(()),
             other => Err(unexpected(other)),
         }
     }
 
-    /// Acknowledge deliveries; answers how many the hub removed.
+    /// Acknowledge pushed frames ([`Delivery::frame_ref`]); answers how many
+    /// of them were pushed on this device's current receive stream and not
+    /// acknowledged before. Acknowledged frames are not pushed again (but
+    /// for a hub crash within moments of the ack).
     ///
     /// # Errors
     /// As [`HubClient::request`].
-    pub async fn ack(&self, ids: Vec<u64>) -> Result<u32, ClientError> {
-        match self.request(Request::Ack { ids }).await? {
+    pub async fn ack(&self, frames: Vec<FrameRef>) -> Result<u32, ClientError> {
+        match self.request(Request::Ack { frames }).await? {
             Response::Acked { removed } => Ok(removed),
             other => Err(unexpected(other)),
         }

@@ -12,17 +12,20 @@ use std::fmt;
 
 /// The newest protocol version this build speaks.
 ///
-/// Version 2 added [`AuthOk::store_id`] and the `last_id` of
-/// [`Response::ReceiveStarted`]; version 3 added [`Publish::writer`] and
-/// writer-bound topics ([`TopicId::writer_bound`]). Each changes how those
-/// frames encode, so a build speaks only version 3 and an older peer is told
+/// Version 2 added [`AuthOk::store_id`]; version 3 added
+/// [`Publish::writer`] and writer-bound topics ([`TopicId::writer_bound`]);
+/// version 4 made deliveries come from each subscription's cursor on the
+/// topic: a [`Delivery`] is named and acknowledged by its topic and sequence
+/// number ([`FrameRef`]), not by a per-device delivery id, so `Receive` and
+/// `ReceiveStarted` carry nothing and `Ack` names frames. Each changes how
+/// those frames encode, so a build speaks only version 4 and an older peer is told
 /// `UnsupportedVersion` (hub side) or [`ClientError::Version`] (client side)
 /// instead of failing to decode.
 ///
 /// [`ClientError::Version`]: crate::client::ClientError::Version
-pub const PROTOCOL_VERSION: u16 = 3;
+pub const PROTOCOL_VERSION: u16 = 4;
 /// The oldest protocol version this build still accepts.
-pub const MIN_PROTOCOL_VERSION: u16 = 3;
+pub const MIN_PROTOCOL_VERSION: u16 = 4;
 /// Domain separator of the signed authentication message.
 pub const AUTH_DOMAIN: &[u8] = b"hubsync-auth-v1\0";
 
@@ -383,12 +386,20 @@ pub struct FetchResult {
     pub gap: bool,
 }
 
-/// A frame pushed on the receive stream.
+/// A frame of a topic, as an acknowledgement names it.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct FrameRef {
+    /// The topic.
+    pub topic: TopicId,
+    /// The frame's sequence number in that topic.
+    pub seq: u64,
+}
+
+/// A frame pushed on the receive stream. Every subscriber of a topic is
+/// pushed the same bytes; it acknowledges the frame by its
+/// [`FrameRef`] (topic and sequence number).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Delivery {
-    /// The delivery id: increasing per device, the cursor for resuming, and
-    /// what `ack` names.
-    pub id: u64,
     /// The topic it was published on.
     pub topic: TopicId,
     /// Its sequence number in that topic.
@@ -404,6 +415,16 @@ pub struct Delivery {
     /// The opaque payload.
     #[serde(with = "serde_bytes")]
     pub payload: Vec<u8>,
+}
+
+impl Delivery {
+    /// What an acknowledgement of this frame names.
+    pub fn frame_ref(&self) -> FrameRef {
+        FrameRef {
+            topic: self.topic.clone(),
+            seq: self.seq,
+        }
+    }
 }
 
 /// A request from an authenticated device.
@@ -432,16 +453,16 @@ pub enum Request {
         /// The topic.
         topic: TopicId,
     },
-    /// Start (or replace) this device's receive stream, pushing every held
-    /// delivery with an id above `after`.
-    Receive {
-        /// The resume cursor (0 for everything held).
-        after: u64,
-    },
-    /// Acknowledge deliveries so the hub can forget them (at most 1000 ids).
+    /// Start (or replace) this device's receive stream: the hub pushes, for
+    /// each of the device's subscriptions (and its own mailbox), every held
+    /// frame after the subscription's cursor, then every new one.
+    Receive,
+    /// Acknowledge pushed frames (at most `max_acks` of them): a
+    /// subscription's cursor moves past every frame pushed below the lowest
+    /// one still unacknowledged, and frames behind it are not pushed again.
     Ack {
-        /// Delivery ids.
-        ids: Vec<u64>,
+        /// The frames.
+        frames: Vec<FrameRef>,
     },
     /// Add key packages to this device's pool, and optionally set its
     /// reusable last-resort package.
@@ -490,15 +511,11 @@ pub enum Response {
         existed: bool,
     },
     /// Answer to `Receive`: deliveries follow as `Deliver` frames.
-    ReceiveStarted {
-        /// The highest delivery id this hub ever gave the device (0: none).
-        /// It never decreases on a hub that keeps its store, so a device
-        /// whose resume cursor is above it is talking to a rewound store.
-        last_id: u64,
-    },
-    /// Answer to `Ack`: how many held deliveries were removed.
+    ReceiveStarted,
+    /// Answer to `Ack`.
     Acked {
-        /// Count removed (unknown ids are ignored).
+        /// How many of the named frames were pushed on this device's current
+        /// receive stream and not acknowledged before (others are ignored).
         removed: u32,
     },
     /// Answer to `UploadKeyPackages`: the pool size afterwards.
@@ -652,10 +669,10 @@ pub enum HubError {
         /// The limit.
         max: u32,
     },
-    /// An ack naming too many ids.
-    #[error("{count} ids in one ack exceeds the maximum of {max}")]
+    /// An ack naming too many frames.
+    #[error("{count} frames in one ack exceeds the maximum of {max}")]
     TooManyAcks {
-        /// Ids in the frame.
+        /// Frames named.
         count: u64,
         /// The limit.
         max: u64,
@@ -716,17 +733,27 @@ pub enum HubError {
         /// The quota.
         max: u64,
     },
-    /// Not an answer but a notice on the receive stream: the device's
-    /// delivery queue was full, so `count` deliveries meant for it were
-    /// never queued, the first of them after delivery id `after_id`. Log
-    /// frames among them can still be read with `fetch`; mailbox frames
-    /// are lost to this device.
-    #[error("delivery queue full: {count} deliveries after id {after_id} were dropped")]
-    DeliveriesDropped {
-        /// The last delivery id queued before the first dropped one.
-        after_id: u64,
-        /// How many deliveries were dropped.
-        count: u64,
+    /// Not an answer but a notice on the receive stream: frames of `topic`
+    /// after sequence number `after_seq` and up to `through_seq` were
+    /// trimmed from its log (depth or retention) before this device was
+    /// pushed them. They cannot be fetched either; the stream goes on with
+    /// the frames after them.
+    #[error("frames after {after_seq} through {through_seq} of a topic were trimmed before they were delivered")]
+    FramesMissed {
+        /// The topic.
+        topic: TopicId,
+        /// The last frame of the topic this stream had reached.
+        after_seq: u64,
+        /// The last frame trimmed.
+        through_seq: u64,
+    },
+    /// The device mailbox posted to holds as many frames as it may: its
+    /// owner has not received them yet. Nothing was stored; post again
+    /// later.
+    #[error("the mailbox holds {max} frames its owner has not received; try again later")]
+    MailboxFull {
+        /// The limit (`max_mailbox_frames`).
+        max: u64,
     },
 }
 
@@ -1099,9 +1126,9 @@ mod tests {
 
         let started = ServerFrame::Response {
             id: 7,
-            result: Ok(Response::ReceiveStarted { last_id: 300 }),
+            result: Ok(Response::ReceiveStarted),
         };
-        assert_eq!(started.encode(), vec![0x03, 0x07, 0x00, 0x04, 0xac, 0x02]);
+        assert_eq!(started.encode(), vec![0x03, 0x07, 0x00, 0x04]);
     }
 
     #[test]
@@ -1124,12 +1151,18 @@ mod tests {
             over.encode(),
             vec![0x03, 0x07, 0x01, 0x1d, 0xd8, 0x04, 0xf4, 0x03, 0xe8, 0x07]
         );
-        let notice = ServerFrame::Error(HubError::DeliveriesDropped {
-            after_id: 5,
-            count: 25,
+        let notice = ServerFrame::Error(HubError::FramesMissed {
+            topic: TopicId::from("t"),
+            after_seq: 5,
+            through_seq: 25,
         });
-        assert_eq!(notice.encode(), vec![0x05, 0x1e, 0x05, 0x19]);
-        for f in [refused, over, notice] {
+        assert_eq!(notice.encode(), vec![0x05, 0x1e, 0x01, 0x74, 0x05, 0x19]);
+        let full = ServerFrame::Response {
+            id: 7,
+            result: Err(HubError::MailboxFull { max: 1000 }),
+        };
+        assert_eq!(full.encode(), vec![0x03, 0x07, 0x01, 0x1f, 0xe8, 0x07]);
+        for f in [refused, over, notice, full] {
             assert_eq!(ServerFrame::decode(&f.encode(), 1 << 20).unwrap(), f);
         }
     }

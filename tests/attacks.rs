@@ -161,11 +161,11 @@ async fn drained(hub: &TestHub, device: DeviceId, within: Duration) {
     let deadline = tokio::time::Instant::now() + within;
     let mut calm = 0;
     while calm < 3 {
-        let queued = hub.hub().core().usage(device).await.unwrap().queued;
+        let queued = hub.hub().core().usage(device).await.unwrap().mailbox_frames;
         calm = if queued == 0 { calm + 1 } else { 0 };
         assert!(
             tokio::time::Instant::now() < deadline,
-            "{queued} deliveries never handled"
+            "{queued} mailbox frames never handled"
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
@@ -460,7 +460,7 @@ impl Raw {
             .await
             .unwrap();
         self.pushes = self.client.take_pushes();
-        self.client.receive(0).await.unwrap();
+        self.client.receive().await.unwrap();
     }
 
     /// The next Welcome envelope pushed to this device.
@@ -472,7 +472,7 @@ impl Raw {
                 .expect("a Welcome in time")
                 .expect("push stream open");
             if let Push::Delivery(d) = push {
-                self.client.ack(vec![d.id]).await.unwrap();
+                self.client.ack(vec![d.frame_ref()]).await.unwrap();
                 return WelcomeEnvelope::open(&d.payload).expect("a signed envelope");
             }
         }

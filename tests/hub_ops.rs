@@ -8,8 +8,8 @@ use hubsync::hub::{Limits, Rate};
 use hubsync::testkit::{signing_key, TestHub};
 use hubsync::transport::TcpConnector;
 use hubsync::wire::{
-    Challenge, ClientFrame, ExpectedHead, HubError, PublishOutcome, Request, RetentionClass,
-    ServerFrame, TopicId, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
+    Challenge, ClientFrame, ExpectedHead, FrameRef, HubError, PublishOutcome, Request,
+    RetentionClass, ServerFrame, TopicId, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
 };
 use std::collections::HashSet;
 use std::time::Duration;
@@ -204,7 +204,7 @@ async fn duplicate_conflict_and_replay_only() {
     let t = TopicId::from("t");
     b.subscribe(&t, None).await.unwrap();
     let mut pushes = b.take_pushes().unwrap();
-    b.receive(0).await.unwrap();
+    b.receive().await.unwrap();
 
     assert_eq!(
         a.publish(log("t", 1, ExpectedHead::Empty, b"one"))
@@ -412,7 +412,7 @@ async fn subscriptions_are_limited_durable_and_never_clamped() {
         .unwrap();
     let sub = h.client(&signing_key(5)).await.unwrap();
     let mut rx = sub.take_pushes().unwrap();
-    sub.receive(0).await.unwrap();
+    sub.receive().await.unwrap();
     match next_push(&mut rx).await {
         Some(Push::Delivery(d)) => assert_eq!(d.payload, b"after restart"),
         other => panic!("{other:?}"),
@@ -435,7 +435,7 @@ async fn mailbox_reaches_every_subscriber_but_the_sender_until_acked() {
     }
     let mut rxs: Vec<_> = clients.iter().map(|c| c.take_pushes().unwrap()).collect();
     for c in &clients {
-        c.receive(0).await.unwrap();
+        c.receive().await.unwrap();
     }
     clients[0]
         .publish(mailbox("mb", 1, b"hello"))
@@ -449,7 +449,7 @@ async fn mailbox_reaches_every_subscriber_but_the_sender_until_acked() {
                 assert_eq!(d.payload, b"hello");
                 assert_eq!(d.class, RetentionClass::Mailbox);
                 assert_eq!(d.sender, clients[0].device());
-                ids.push((i, d.id));
+                ids.push((i, d.frame_ref()));
             }
             other => panic!("{other:?}"),
         }
@@ -462,10 +462,26 @@ async fn mailbox_reaches_every_subscriber_but_the_sender_until_acked() {
         .messages
         .is_empty());
     // Acked by one: the other still gets it again after reconnecting.
-    assert_eq!(clients[1].ack(vec![ids[0].1, 999]).await.unwrap(), 1);
-    assert_eq!(clients[1].ack(vec![ids[0].1]).await.unwrap(), 0);
+    let never_pushed = FrameRef {
+        topic: t.clone(),
+        seq: 999,
+    };
+    assert_eq!(
+        clients[1]
+            .ack(vec![ids[0].1.clone(), never_pushed])
+            .await
+            .unwrap(),
+        1
+    );
+    assert_eq!(clients[1].ack(vec![ids[0].1.clone()]).await.unwrap(), 0);
+    let too_many = (0..1001)
+        .map(|seq| FrameRef {
+            topic: t.clone(),
+            seq,
+        })
+        .collect();
     assert!(matches!(
-        clients[1].ack((0..1001).collect()).await,
+        clients[1].ack(too_many).await,
         Err(ClientError::Hub(HubError::TooManyAcks {
             count: 1001,
             max: 1000
@@ -473,9 +489,9 @@ async fn mailbox_reaches_every_subscriber_but_the_sender_until_acked() {
     ));
     let again = hub.client(&keys[2]).await.unwrap();
     let mut rx = again.take_pushes().unwrap();
-    again.receive(0).await.unwrap();
+    again.receive().await.unwrap();
     match next_push(&mut rx).await {
-        Some(Push::Delivery(d)) => assert_eq!(d.id, ids[1].1),
+        Some(Push::Delivery(d)) => assert_eq!(d.frame_ref(), ids[1].1),
         other => panic!("{other:?}"),
     }
     // The old stream of that device was replaced.
@@ -485,7 +501,7 @@ async fn mailbox_reaches_every_subscriber_but_the_sender_until_acked() {
     }
     let again1 = hub.client(&keys[1]).await.unwrap();
     let mut rx1 = again1.take_pushes().unwrap();
-    again1.receive(0).await.unwrap();
+    again1.receive().await.unwrap();
     no_push(&mut rx1).await;
 }
 
@@ -498,7 +514,7 @@ async fn receive_stream_cut_and_resumed_loses_nothing_and_repeats_nothing_acked(
     let t = TopicId::from("stream");
     sub.subscribe(&t, None).await.unwrap();
     let mut rx = sub.take_pushes().unwrap();
-    sub.receive(0).await.unwrap();
+    sub.receive().await.unwrap();
     let publisher = tokio::spawn({
         let pubr = pubr.clone();
         async move {
@@ -517,11 +533,11 @@ async fn receive_stream_cut_and_resumed_loses_nothing_and_repeats_nothing_acked(
     let mut seen_ids = Vec::new();
     for _ in 0..60 {
         match next_push(&mut rx).await {
-            Some(Push::Delivery(d)) => seen_ids.push((d.id, d.payload.clone())),
+            Some(Push::Delivery(d)) => seen_ids.push((d.frame_ref(), d.payload.clone())),
             other => panic!("{other:?}"),
         }
     }
-    let to_ack: Vec<u64> = seen_ids[..50].iter().map(|(id, _)| *id).collect();
+    let to_ack: Vec<FrameRef> = seen_ids[..50].iter().map(|(f, _)| f.clone()).collect();
     sub.ack(to_ack.clone()).await.unwrap();
     acked.extend(seen_ids[..50].iter().map(|(_, p)| p.clone()));
     sub.close();
@@ -529,7 +545,7 @@ async fn receive_stream_cut_and_resumed_loses_nothing_and_repeats_nothing_acked(
 
     let sub = hub.client(&key).await.unwrap();
     let mut rx = sub.take_pushes().unwrap();
-    sub.receive(0).await.unwrap();
+    sub.receive().await.unwrap();
     let mut got = HashSet::new();
     while got.len() + acked.len() < 200 {
         match next_push(&mut rx).await {
@@ -769,8 +785,11 @@ async fn group_commit_shares_flushes_between_concurrent_publishes() {
     );
 }
 
+/// A new stream pushes what the device did not acknowledge, from the
+/// lowest unacknowledged frame on: frames acknowledged above it come again
+/// (the cursor is one number per subscription), frames below it never do.
 #[tokio::test]
-async fn receive_resumes_after_a_cursor() {
+async fn receive_resumes_after_what_was_acknowledged() {
     let hub = TestHub::start_with(unthrottled).await.unwrap();
     let a = hub.client(&signing_key(1)).await.unwrap();
     let key = signing_key(2);
@@ -782,26 +801,34 @@ async fn receive_resumes_after_a_cursor() {
             .unwrap();
     }
     let mut rx = b.take_pushes().unwrap();
-    b.receive(0).await.unwrap();
-    let mut ids = Vec::new();
+    b.receive().await.unwrap();
+    let mut frames = Vec::new();
     for _ in 0..10 {
         match next_push(&mut rx).await {
-            Some(Push::Delivery(d)) => ids.push(d.id),
+            Some(Push::Delivery(d)) => frames.push(d.frame_ref()),
             other => panic!("{other:?}"),
         }
     }
-    // Nothing acked; a new stream after the 6th id sends the last four only.
+    assert_eq!(
+        frames.iter().map(|f| f.seq).collect::<Vec<_>>(),
+        (1..=10).collect::<Vec<_>>()
+    );
+    // The first six and the ninth acknowledged: a new stream pushes from
+    // the seventh.
+    let mut acked = frames[..6].to_vec();
+    acked.push(frames[8].clone());
+    assert_eq!(b.ack(acked).await.unwrap(), 7);
     let b2 = hub.client(&key).await.unwrap();
     let mut rx2 = b2.take_pushes().unwrap();
-    b2.receive(ids[5]).await.unwrap();
+    b2.receive().await.unwrap();
     let mut resumed = Vec::new();
     for _ in 0..4 {
         match next_push(&mut rx2).await {
-            Some(Push::Delivery(d)) => resumed.push(d.id),
+            Some(Push::Delivery(d)) => resumed.push(d.seq),
             other => panic!("{other:?}"),
         }
     }
-    assert_eq!(resumed, ids[6..].to_vec());
+    assert_eq!(resumed, vec![7, 8, 9, 10]);
     no_push(&mut rx2).await;
 }
 
@@ -930,9 +957,10 @@ async fn auth_ok_carries_the_store_id_and_the_agreed_version() {
 #[tokio::test]
 async fn an_older_device_is_refused_by_name() {
     // Version 1 had no store id in AuthOk, version 2 no writer proof in
-    // Publish: an older device must hear `UnsupportedVersion`, not get (or
-    // send) a frame the other side cannot decode.
-    for old in [1, 2] {
+    // Publish, version 3 delivery ids: an older device must hear
+    // `UnsupportedVersion`, not get (or send) a frame the other side cannot
+    // decode.
+    for old in [1, 2, 3] {
         let hub = TestHub::start().await.unwrap();
         let mut c = RawConn::open(hub.url()).await;
         let mut a = c.auth_for(&signing_key(1));
@@ -944,8 +972,8 @@ async fn an_older_device_is_refused_by_name() {
                 got,
                 Got::Frame(ServerFrame::Error(HubError::UnsupportedVersion {
                     requested,
-                    min: 3,
-                    max: 3,
+                    min: 4,
+                    max: 4,
                 })) if requested == old
             ),
             "version {old}: {got:?}"
@@ -992,29 +1020,6 @@ async fn a_version_1_hub_is_refused_by_name() {
             max: 1,
             ours: PROTOCOL_VERSION
         })
-    );
-}
-
-#[tokio::test]
-async fn receive_answers_the_last_delivery_id_given_to_the_device() {
-    let hub = TestHub::start_with(unthrottled).await.unwrap();
-    let publisher = hub.client(&signing_key(1)).await.unwrap();
-    let key = signing_key(2);
-    let sub = hub.client(&key).await.unwrap();
-    assert_eq!(sub.receive(0).await.unwrap(), 0, "nothing given yet");
-    sub.subscribe(&TopicId::from("r"), None).await.unwrap();
-    for i in 1..=3 {
-        publisher.publish(mailbox("r", i, b"x")).await.unwrap();
-    }
-    let again = hub.client(&key).await.unwrap();
-    assert_eq!(again.receive(0).await.unwrap(), 3);
-    // Acks remove deliveries, not the count: the answer never goes down.
-    again.ack(vec![1, 2, 3]).await.unwrap();
-    let third = hub.client(&key).await.unwrap();
-    assert_eq!(
-        third.receive(10).await.unwrap(),
-        3,
-        "a cursor above it shows a store that went back in time"
     );
 }
 

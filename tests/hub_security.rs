@@ -62,6 +62,28 @@ async fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
     }
 }
 
+/// Wait until `device`'s usage on `hub` satisfies `pred` (acks move
+/// cursors, and free what they pass, a moment after they are answered).
+async fn usage_until(
+    hub: &TestHub,
+    device: hubsync::wire::DeviceId,
+    what: &str,
+    pred: impl Fn(&hubsync::hub::DeviceUsage) -> bool,
+) {
+    let give_up = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let u = hub.hub().core().usage(device).await.unwrap();
+        if pred(&u) {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < give_up,
+            "gave up waiting: {what} ({u:?})"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 fn mailbox_post(topic: &TopicId, id: u64, payload: &[u8]) -> hubsync::wire::Publish {
     hubsync::wire::Publish {
         topic: topic.clone(),
@@ -82,9 +104,9 @@ async fn a_stranger_cannot_read_a_device_mailbox_while_the_owner_gets_its_posts(
 
     owner.subscribe(&inbox, None).await.unwrap();
     let mut owner_rx = owner.take_pushes().unwrap();
-    owner.receive(0).await.unwrap();
+    owner.receive().await.unwrap();
     let mut stranger_rx = stranger.take_pushes().unwrap();
-    stranger.receive(0).await.unwrap();
+    stranger.receive().await.unwrap();
 
     // Reading someone else's mailbox: subscribe, fetch, or a log written
     // into it to fetch later. Each is refused by name and stores nothing.
@@ -146,22 +168,21 @@ async fn a_stranger_cannot_read_a_device_mailbox_while_the_owner_gets_its_posts(
 /// A device's mailbox holds posts for it even where it never subscribed (a
 /// hub restored from a backup lost its subscription, say): a Welcome posted
 /// before its owner comes reaches it when it does, and only it. The owner's
-/// queue quota bounds what a stranger can pile up there: past it, posts are
-/// dropped for the owner, counted, and stored nowhere.
+/// mailbox quota bounds what a stranger can pile up there: past it, posts
+/// are refused by name and stored nowhere, until the owner has read.
 #[tokio::test]
 async fn a_device_mailbox_holds_posts_for_an_owner_that_never_subscribed() {
     let hub = TestHub::start_with(|c| {
         c.limits = Limits::unthrottled();
-        c.limits.max_queued_deliveries = 2;
+        c.limits.max_mailbox_frames = 2;
     })
     .await
     .unwrap();
     let stranger = hub.client(&signing_key(2)).await.unwrap();
     let owner_key = signing_key(1);
-    let inbox = TopicId::mailbox(&hubsync::wire::DeviceId(
-        owner_key.verifying_key().to_bytes(),
-    ));
-    for (id, body) in [(1, &b"welcome"[..]), (2, b"second"), (3, b"one too many")] {
+    let owner_id = hubsync::wire::DeviceId(owner_key.verifying_key().to_bytes());
+    let inbox = TopicId::mailbox(&owner_id);
+    for (id, body) in [(1, &b"welcome"[..]), (2, b"second")] {
         assert!(matches!(
             stranger
                 .publish(mailbox_post(&inbox, id, body))
@@ -170,6 +191,15 @@ async fn a_device_mailbox_holds_posts_for_an_owner_that_never_subscribed() {
             PublishOutcome::Accepted { .. }
         ));
     }
+    assert_eq!(
+        hub_error(
+            stranger
+                .publish(mailbox_post(&inbox, 3, b"one too many"))
+                .await
+        ),
+        HubError::MailboxFull { max: 2 }
+    );
+    assert_eq!(hub.hub().metrics().mailbox_full, 1);
     let stored = hub
         .hub()
         .core()
@@ -177,34 +207,43 @@ async fn a_device_mailbox_holds_posts_for_an_owner_that_never_subscribed() {
         .await
         .unwrap()
         .stored_bytes;
-    assert_eq!(
-        stored, 13,
-        "the two posts the owner's queue took, not the third"
-    );
+    assert_eq!(stored, 13, "the two posts the mailbox took, not the third");
 
     // The owner connects for the first time, without subscribing.
     let owner = hub.client(&owner_key).await.unwrap();
     let mut owner_rx = owner.take_pushes().unwrap();
-    owner.receive(0).await.unwrap();
+    owner.receive().await.unwrap();
     let mut got = Vec::new();
     while got.len() < 2 {
         match next_push(&mut owner_rx).await {
             Some(Push::Delivery(d)) => {
                 assert_eq!(d.topic, inbox);
                 assert_eq!(d.sender, stranger.device());
-                owner.ack(vec![d.id]).await.unwrap();
+                owner.ack(vec![d.frame_ref()]).await.unwrap();
                 got.push(d.payload);
             }
             other => panic!("the owner must get its posts: {other:?}"),
         }
     }
     assert_eq!(got, vec![b"welcome".to_vec(), b"second".to_vec()]);
-    // The dropped post is reported to the owner, not lost in silence.
-    match next_push(&mut owner_rx).await {
-        Some(Push::Error(HubError::DeliveriesDropped { count, .. })) => assert_eq!(count, 1),
-        other => panic!("the drop must be reported: {other:?}"),
-    }
     no_push(&mut owner_rx).await;
+    // Read and acknowledged: the mailbox is empty and takes posts again.
+    usage_until(&hub, owner_id, "the owner's mailbox emptied", |u| {
+        u.mailbox_frames == 0
+    })
+    .await;
+    usage_until(&hub, stranger.device(), "the posts' bytes freed", |u| {
+        u.stored_bytes == 0
+    })
+    .await;
+    stranger
+        .publish(mailbox_post(&inbox, 3, b"one too many"))
+        .await
+        .unwrap();
+    match next_push(&mut owner_rx).await {
+        Some(Push::Delivery(d)) => assert_eq!(d.payload, b"one too many"),
+        other => panic!("{other:?}"),
+    }
 }
 
 #[tokio::test]
@@ -222,7 +261,7 @@ async fn mailbox_posts_are_rate_limited_per_sender_and_mailbox() {
     let inbox = TopicId::mailbox(&owner.device());
     owner.subscribe(&inbox, None).await.unwrap();
     let mut rx = owner.take_pushes().unwrap();
-    owner.receive(0).await.unwrap();
+    owner.receive().await.unwrap();
 
     for i in 0..3 {
         flooder
@@ -356,38 +395,42 @@ async fn claims_stay_exactly_once_and_the_last_resort_comes_only_after_the_pool(
     );
 }
 
+/// Subscribers that never read cost the hub nothing per publish: each
+/// frame is stored once, whoever follows its topic, and the log's depth
+/// bounds what it holds. One that comes back is told which frames it
+/// missed to the depth bound, then gets the rest in order.
 #[tokio::test]
-async fn throwaway_subscribers_hit_the_queue_quota_and_the_store_stays_bounded() {
-    const QUEUE: u64 = 5;
+async fn throwaway_subscribers_cost_nothing_per_publish_and_a_returner_is_told_what_it_missed() {
     const THROWAWAYS: u64 = 20;
+    const DEPTH: u64 = 10;
     let hub = TestHub::start_with(|c| {
         c.limits = Limits::unthrottled();
-        c.limits.max_queued_deliveries = QUEUE;
+        c.limits.max_log_depth = DEPTH;
     })
     .await
     .unwrap();
     let topic = TopicId::from("hot");
-    let mut throwaways = Vec::new();
     for n in 0..THROWAWAYS {
         let c = hub.client(&signing_key(100 + n)).await.unwrap();
         c.subscribe(&topic, None).await.unwrap();
-        throwaways.push(c.device());
         c.close();
     }
     // An honest subscriber that reads and acks as it goes.
     let honest = hub.client(&signing_key(2)).await.unwrap();
     honest.subscribe(&topic, None).await.unwrap();
     let mut honest_rx = honest.take_pushes().unwrap();
-    honest.receive(0).await.unwrap();
+    honest.receive().await.unwrap();
 
     let publisher = hub.client(&signing_key(1)).await.unwrap();
     const PUBLISHES: u64 = 30;
+    let mut bytes = 0;
     for i in 0..PUBLISHES {
         let p = if i % 3 == 0 {
             mailbox("hot", i, &i.to_be_bytes())
         } else {
             log("hot", i, ExpectedHead::Unconditional, &i.to_be_bytes())
         };
+        bytes += 8;
         assert!(matches!(
             publisher.publish(p).await.unwrap(),
             PublishOutcome::Accepted { .. }
@@ -395,66 +438,56 @@ async fn throwaway_subscribers_hit_the_queue_quota_and_the_store_stays_bounded()
         match next_push(&mut honest_rx).await {
             Some(Push::Delivery(d)) => {
                 assert_eq!(d.payload, i.to_be_bytes());
-                honest.ack(vec![d.id]).await.unwrap();
+                honest.ack(vec![d.frame_ref()]).await.unwrap();
             }
             other => panic!("the honest subscriber missed {i}: {other:?}"),
         }
     }
 
-    // Every throwaway holds exactly its quota; everything past it was
-    // dropped and counted, not stored.
+    // Every frame is held once: the 10 mailbox frames (which the
+    // throwaways have not passed) and the log to its depth.
     let core = hub.hub().core();
-    let mut stored = 0;
-    for d in &throwaways {
-        let u = core.usage(*d).await.unwrap();
-        assert_eq!(u.queued, QUEUE);
-        assert_eq!((u.dropped, u.dropped_after), (PUBLISHES - QUEUE, QUEUE));
-        stored += u.queued;
-    }
-    assert_eq!(stored, THROWAWAYS * QUEUE, "bounded by subscribers x quota");
-    assert_eq!(core.usage(honest.device()).await.unwrap().queued, 0);
-    assert_eq!(
-        hub.hub().metrics().deliveries_dropped,
-        THROWAWAYS * (PUBLISHES - QUEUE)
-    );
+    let held = core.usage(publisher.device()).await.unwrap().stored_bytes;
+    assert_eq!(held, (10 + DEPTH) * 8, "of {bytes} bytes published");
 
-    // A throwaway that comes back reads what was queued, then is told what
-    // it missed; its queue has room again once it acks.
+    // A throwaway that comes back is told what the log lost before it
+    // read it, then gets every frame still held, in order.
     let back = hub.client(&signing_key(100)).await.unwrap();
     let mut rx = back.take_pushes().unwrap();
-    back.receive(0).await.unwrap();
-    let mut ids = Vec::new();
-    for i in 0..QUEUE {
+    back.receive().await.unwrap();
+    // Log frames are the publishes with i % 3 != 0 (seq = i + 1); the
+    // first ten of them went to the depth bound.
+    let log_seqs: Vec<u64> = (0..PUBLISHES)
+        .filter(|i| i % 3 != 0)
+        .map(|i| i + 1)
+        .collect();
+    let trimmed_through = log_seqs[(log_seqs.len() as u64 - DEPTH) as usize - 1];
+    match next_push(&mut rx).await {
+        Some(Push::Error(HubError::FramesMissed {
+            topic: t,
+            after_seq,
+            through_seq,
+        })) => {
+            assert_eq!(
+                (t, after_seq, through_seq),
+                (topic.clone(), 0, trimmed_through)
+            );
+        }
+        other => panic!("expected the missed notice, got {other:?}"),
+    }
+    let want: Vec<u64> = (1..=PUBLISHES)
+        .filter(|seq| (seq - 1) % 3 == 0 || *seq > trimmed_through)
+        .collect();
+    let mut got = Vec::new();
+    while got.len() < want.len() {
         match next_push(&mut rx).await {
-            Some(Push::Delivery(d)) => {
-                assert_eq!(d.payload, i.to_be_bytes(), "the oldest are kept, in order");
-                ids.push(d.id);
-            }
+            Some(Push::Delivery(d)) => got.push(d.seq),
             other => panic!("{other:?}"),
         }
     }
-    match next_push(&mut rx).await {
-        Some(Push::Error(HubError::DeliveriesDropped { after_id, count })) => {
-            assert_eq!((after_id, count), (QUEUE, PUBLISHES - QUEUE));
-        }
-        other => panic!("expected the dropped notice, got {other:?}"),
-    }
+    assert_eq!(got, want);
     no_push(&mut rx).await;
-    assert_eq!(
-        core.usage(back.device()).await.unwrap().dropped,
-        0,
-        "reported once"
-    );
-    back.ack(ids).await.unwrap();
-    assert_eq!(core.usage(back.device()).await.unwrap().queued, 0);
-    publisher
-        .publish(log("hot", 99, ExpectedHead::Unconditional, b"room again"))
-        .await
-        .unwrap();
-    match next_push(&mut rx).await {
-        Some(Push::Delivery(d)) => assert_eq!(d.payload, b"room again"),
-        other => panic!("{other:?}"),
-    }
+    assert_eq!(hub.hub().metrics().frames_missed, 1);
 }
 
 #[tokio::test]
@@ -504,13 +537,16 @@ async fn a_device_over_its_stored_bytes_quota_is_refused_and_nothing_is_stored()
     hog.publish(mailbox("mb", 4, &[4; 300])).await.unwrap();
     assert_eq!(core.usage(hog.device()).await.unwrap().stored_bytes, 900);
     let mut rx = sub.take_pushes().unwrap();
-    sub.receive(0).await.unwrap();
-    let id = match next_push(&mut rx).await {
-        Some(Push::Delivery(d)) => d.id,
+    sub.receive().await.unwrap();
+    let frame = match next_push(&mut rx).await {
+        Some(Push::Delivery(d)) => d.frame_ref(),
         other => panic!("{other:?}"),
     };
-    sub.ack(vec![id]).await.unwrap();
-    assert_eq!(core.usage(hog.device()).await.unwrap().stored_bytes, 600);
+    sub.ack(vec![frame]).await.unwrap();
+    usage_until(&hub, hog.device(), "the acked mailbox frame freed", |u| {
+        u.stored_bytes == 600
+    })
+    .await;
 
     // Room comes back as frames go: the first one's retention ran out.
     hub.hub().purge_now().await.unwrap();

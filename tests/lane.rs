@@ -2331,7 +2331,7 @@ async fn forge_after_request(
     // The mailbox reaches those subscribed when a frame is posted.
     client.subscribe(topic, None).await.unwrap();
     let mut pushes = client.take_pushes().expect("the push stream");
-    client.receive(0).await.unwrap();
+    client.receive().await.unwrap();
     let topic = topic.clone();
     tokio::spawn(async move {
         let request = loop {
@@ -2340,7 +2340,7 @@ async fn forge_after_request(
                 .expect("the request in time")
                 .expect("push stream open");
             let Push::Delivery(d) = push else { continue };
-            client.ack(vec![d.id]).await.unwrap();
+            client.ack(vec![d.frame_ref()]).await.unwrap();
             if let Ok(RendezvousFrame::Request(r)) = postcard::from_bytes(&d.payload) {
                 if r.device == requester {
                     break r;
@@ -2509,7 +2509,7 @@ async fn forged_epoch_statuses_strand_nobody() {
     let client = hubs[0].client(&key).await.unwrap();
     client.subscribe(&topic, None).await.unwrap();
     let mut pushes = client.take_pushes().expect("the push stream");
-    client.receive(0).await.unwrap();
+    client.receive().await.unwrap();
     let (aid, bid) = (a.id(), b.id());
     let forging = tokio::spawn(async move {
         let probe = loop {
@@ -2518,7 +2518,7 @@ async fn forged_epoch_statuses_strand_nobody() {
                 .expect("b's probe in time")
                 .expect("push stream open");
             let Push::Delivery(d) = push else { continue };
-            client.ack(vec![d.id]).await.unwrap();
+            client.ack(vec![d.frame_ref()]).await.unwrap();
             if let Ok(RendezvousFrame::Probe(p)) = postcard::from_bytes(&d.payload) {
                 if p.device == bid {
                     break p;

@@ -158,7 +158,7 @@ pub struct HubSubscribers {
 /// Delivery ids waiting for their ack.
 #[derive(Default)]
 struct PendingAcks {
-    ids: Mutex<Vec<u64>>,
+    ids: Mutex<Vec<crate::wire::FrameRef>>,
     ready: tokio::sync::Notify,
 }
 
@@ -183,7 +183,7 @@ impl HubSubscribers {
             let mut pushes = c
                 .take_pushes()
                 .ok_or_else(|| "pushes already taken".to_string())?;
-            c.receive(0).await.map_err(|e| e.to_string())?;
+            c.receive().await.map_err(|e| e.to_string())?;
             // Acks go from their own task: the client stops reading its
             // connection (answers included) while its push buffer is full,
             // so a reader that waited for an ack's answer before draining
@@ -194,7 +194,7 @@ impl HubSubscribers {
                 loop {
                     a2.ready.notified().await;
                     loop {
-                        let batch: Vec<u64> = {
+                        let batch: Vec<crate::wire::FrameRef> = {
                             let mut ids = a2.ids.lock().unwrap_or_else(|p| p.into_inner());
                             let n = ids.len().min(ACK_BATCH);
                             ids.drain(..n).collect()
@@ -224,7 +224,7 @@ impl HubSubscribers {
                         acks.ids
                             .lock()
                             .unwrap_or_else(|p| p.into_inner())
-                            .push(d.id);
+                            .push(d.frame_ref());
                         acks.ready.notify_one();
                     }
                 }

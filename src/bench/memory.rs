@@ -231,7 +231,7 @@ pub async fn hub_per_device(exe: &Path, n: usize) -> Result<PerConnection, Strin
             c.subscribe(&welcome, None)
                 .await
                 .map_err(|e| format!("device {i} subscribe: {e}"))?;
-            c.receive(0)
+            c.receive()
                 .await
                 .map_err(|e| format!("device {i} receive: {e}"))?;
             Ok::<_, String>(c)

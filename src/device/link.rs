@@ -8,11 +8,10 @@
 //! 2. **Re-subscribe** every routed topic (and retry every unsubscribe the hub
 //!    has not confirmed). A hub that rate-limits the burst gets the rest from
 //!    a background worker, paced by the hub's `retry_after_ms`.
-//! 3. **Resume** the receive stream after the resume cursor: the highest
-//!    delivery id below which every delivery this link received was acked
-//!    and the hub confirmed the ack. Unacked deliveries come again; acked
-//!    ones do not. The hub answers with the highest delivery id it ever
-//!    gave this device; one below the cursor means a rewound store (below).
+//! 3. **Receive**: start the receive stream. The hub pushes, for each
+//!    subscription, every frame after the frames this device acknowledged
+//!    there (its cursor, kept by the hub), then each new one, so nothing
+//!    is kept here between connections.
 //! 4. **Route** pushed deliveries by topic to the receiver that
 //!    [`HubLink::subscribe`] returned, until the connection drops, the hub
 //!    ends the receive stream ([`Push::ReceiveEnded`], for example because a
@@ -20,31 +19,16 @@
 //!    or a resync is due (below). Then back to 1 after a backoff delay.
 //!
 //! # A hub that lost or restored its store
-//! Delivery ids count per store, so the resume cursor means something only
-//! to the store that gave it out. Two checks keep it honest:
-//!
-//! - **Another store.** Every connection learns the hub's store identity
-//!   ([`HubClient::store_id`]). When it differs from the identity of the
-//!   store the cursor counts in (a hub that lost its data directory, or a
-//!   new hub at the same URL), the cursor goes back to 0 before the receive
-//!   stream is resumed, so the new store's first deliveries, whose ids are
-//!   at or below the old cursor, are not skipped. [`HubLink::store_id`]
-//!   publishes the new identity once that connection is up.
-//! - **The same store, gone back in time.** A store restored from an older
-//!   copy of its own directory keeps its identity, but its delivery ids go
-//!   back. When the hub's answer to `Receive` says the highest id it ever
-//!   gave this device is below the cursor, the link resets the cursor to 0,
-//!   drops the connection (the stream it started skips those ids) with an
-//!   error that says `hub store rewound`, and resumes from 0 on the next
-//!   attempt, after the usual backoff. This check cannot see a rewound
-//!   store whose ids have already climbed past the cursor again (it gave
-//!   out more deliveries before this link came back): those in between are
-//!   skipped. Heads of logs go back too; the link does not look at them,
-//!   the device must compare them against its own.
-//!
-//! Nothing of this is persisted: a new link starts with cursor 0 and no
-//! identity, and [`HubLink::store_id`] is `None` until its first
-//! connection is up.
+//! Every connection learns the hub's store identity
+//! ([`HubClient::store_id`]); [`HubLink::store_id`] publishes a new one once
+//! that connection is up, and is `None` until the first. A new store (a hub
+//! that lost its data directory, or a new hub at the same URL) holds no
+//! subscription of this device until the link subscribes again, which it
+//! does on every connection; a store restored from an older copy keeps its
+//! identity, and its cursors and logs went back with it: frames acknowledged
+//! since come again (consumers deduplicate), and logs' heads went back,
+//! which the link does not look at; the device compares them against its
+//! own.
 //!
 //! # Backoff
 //! Delays come from [`ReconnectBackoff`]: the `backoff` crate's exponential
@@ -68,8 +52,8 @@
 //!
 //! # Delivery promise
 //! At least once, in hub order per topic. A delivery can come twice (after
-//! a reconnect, if its ack had not been confirmed): consumers deduplicate
-//! by delivery id or publish id.
+//! a reconnect, if its ack had not reached the hub): consumers deduplicate
+//! by topic and sequence number, or by publish id.
 //!
 //! # Determinism
 //! Time is tokio's (`tokio::time`), randomness is the injected rng, and
@@ -80,7 +64,7 @@ use crate::client::{ClientError, ClientOptions, HubClient, Push};
 use crate::rng::SharedRng;
 use crate::transport::Connector;
 use crate::wire::{
-    Delivery, DeviceId, FetchResult, HubError, Publish, PublishOutcome, StoreId, TopicId,
+    Delivery, DeviceId, FetchResult, FrameRef, HubError, Publish, PublishOutcome, StoreId, TopicId,
 };
 use backoff::backoff::Backoff as _;
 use ed25519_dalek::SigningKey;
@@ -349,59 +333,6 @@ struct Route {
     retention_secs: Option<u64>,
 }
 
-/// The resume cursor of the receive stream.
-///
-/// `after` only moves over ids that this link received on the current
-/// stream and whose ack the hub confirmed, and only while no lower received
-/// id is still unconfirmed. Ids it never received are never skipped.
-#[derive(Debug, Default)]
-struct AckCursor {
-    after: u64,
-    /// Received on the current stream, above `after`, ack not confirmed.
-    outstanding: BTreeSet<u64>,
-    /// Received on the current stream, above `after`, ack confirmed, but a
-    /// lower id is still outstanding.
-    acked: BTreeSet<u64>,
-}
-
-impl AckCursor {
-    fn received(&mut self, id: u64) {
-        if id > self.after {
-            self.outstanding.insert(id);
-        }
-    }
-
-    fn confirmed(&mut self, ids: &[u64]) {
-        for id in ids {
-            if self.outstanding.remove(id) {
-                self.acked.insert(*id);
-            }
-        }
-        let limit = self.outstanding.first().copied();
-        while let Some(&a) = self.acked.first() {
-            if limit.is_some_and(|m| a > m) {
-                break;
-            }
-            self.after = a;
-            self.acked.remove(&a);
-        }
-    }
-
-    /// Start a new stream: answers the id to resume after. Everything
-    /// outstanding comes again on the new stream.
-    fn restart(&mut self) -> u64 {
-        self.outstanding.clear();
-        self.acked.clear();
-        self.after
-    }
-
-    /// Forget everything: the ids counted so far belong to a store that is
-    /// gone (or went back in time).
-    fn reset(&mut self) {
-        *self = AckCursor::default();
-    }
-}
-
 #[derive(Default)]
 struct State {
     routes: BTreeMap<TopicId, Route>,
@@ -418,8 +349,7 @@ struct State {
     unsub_unconfirmed: BTreeSet<TopicId>,
     /// Topics whose hub subscription may differ from what is wanted.
     dirty: BTreeSet<TopicId>,
-    cursor: AckCursor,
-    /// The identity of the store whose delivery ids `cursor` counts.
+    /// The identity of the store the last connection reached.
     store: Option<StoreId>,
     stopped: bool,
 }
@@ -432,12 +362,11 @@ enum Desired {
 }
 
 impl State {
-    /// Take a pushed delivery: route it, queue it, or drop it. Ids of
-    /// deliveries for unsubscribed topics go to `ack_now`.
-    fn accept(&mut self, d: Delivery, ack_now: &mut Vec<u64>) {
-        self.cursor.received(d.id);
+    /// Take a pushed delivery: route it, queue it, or drop it. Deliveries
+    /// for unsubscribed topics go to `ack_now`.
+    fn accept(&mut self, d: Delivery, ack_now: &mut Vec<FrameRef>) {
         if self.unsubscribed.contains(&d.topic) {
-            ack_now.push(d.id);
+            ack_now.push(d.frame_ref());
             return;
         }
         let queued = self.pending.get(&d.topic).is_some_and(|q| !q.is_empty());
@@ -464,7 +393,7 @@ impl State {
             if !self.dropped.contains(&d.topic) {
                 tracing::warn!(
                     topic = ?d.topic,
-                    id = d.id,
+                    seq = d.seq,
                     "delivery buffer full; dropping unacked, a resync will fetch them again"
                 );
             }
@@ -508,11 +437,11 @@ impl State {
         }
     }
 
-    /// Remove `topic`'s queue, answering the ids it held.
-    fn discard(&mut self, topic: &TopicId) -> Vec<u64> {
+    /// Remove `topic`'s queue, answering the frames it held.
+    fn discard(&mut self, topic: &TopicId) -> Vec<FrameRef> {
         let q = self.pending.remove(topic).unwrap_or_default();
         self.pending_total -= q.len();
-        q.into_iter().map(|d| d.id).collect()
+        q.into_iter().map(|d| d.frame_ref()).collect()
     }
 
     fn remember_unsubscribed(&mut self, topic: TopicId) {
@@ -544,21 +473,18 @@ impl State {
                     .any(|t| self.routes.contains_key(t) && !self.pending.contains_key(t)))
     }
 
-    /// A connection reached the store `id`. When the cursor counted in
-    /// another store, it goes back to 0; answers that previous identity.
+    /// A connection reached the store `id`; answers the previous identity
+    /// when it was another.
     fn enter_store(&mut self, id: StoreId) -> Option<StoreId> {
         match self.store.replace(id) {
-            Some(old) if old != id => {
-                self.cursor.reset();
-                Some(old)
-            }
+            Some(old) if old != id => Some(old),
             _ => None,
         }
     }
 
-    /// Forget per-connection state before a new stream; answers the resume
-    /// cursor. Everything queued or dropped is unacked and comes again.
-    fn reset_for_connect(&mut self) -> u64 {
+    /// Forget per-connection state before a new stream. Everything queued
+    /// or dropped is unacked and comes again.
+    fn reset_for_connect(&mut self) {
         self.pending.clear();
         self.pending_total = 0;
         self.dropped.clear();
@@ -566,7 +492,6 @@ impl State {
         self.dirty.extend(routed);
         let unconfirmed: Vec<TopicId> = self.unsub_unconfirmed.iter().cloned().collect();
         self.dirty.extend(unconfirmed);
-        self.cursor.restart()
     }
 
     fn desired(&self, topic: &TopicId) -> Desired {
@@ -694,12 +619,12 @@ impl Shared {
         }
     }
 
-    /// Ack `ids` on `client` and move the cursor over what the hub
-    /// confirmed. Failures are logged and dropped: the hub redelivers.
-    async fn ack_on(&self, client: &HubClient, ids: Vec<u64>) {
-        for chunk in ids.chunks(MAX_ACK_BATCH) {
+    /// Ack `frames` on `client`. Failures are logged and dropped: the hub
+    /// pushes the frames again.
+    async fn ack_on(&self, client: &HubClient, frames: Vec<FrameRef>) {
+        for chunk in frames.chunks(MAX_ACK_BATCH) {
             match client.ack(chunk.to_vec()).await {
-                Ok(_) => lock(&self.state).cursor.confirmed(chunk),
+                Ok(_) => {}
                 Err(e) => {
                     tracing::debug!(error = %e, count = chunk.len(), "ack not confirmed; the hub will redeliver");
                     return;
@@ -723,37 +648,26 @@ impl Shared {
                 .take_pushes()
                 .ok_or_else(|| "push channel already taken".to_string())?;
             let store_id = client.store_id();
-            let after = {
+            {
                 let mut st = lock(&self.state);
                 if let Some(old) = st.enter_store(store_id) {
                     tracing::warn!(
                         %old,
                         new = %store_id,
-                        "hub store identity changed; receiving from the start"
+                        "hub store identity changed; subscribing again"
                     );
                 }
-                st.reset_for_connect()
-            };
+                st.reset_for_connect();
+            }
             match self.sync_topics(&client, Pace::Defer).await {
                 Ok(()) | Err(ClientError::Hub(_)) => {}
                 Err(e) => return Err(format!("re-subscribing failed: {e}")),
             }
-            let last_id = client
-                .receive(after)
+            client
+                .receive()
                 .await
-                .map_err(|e| format!("resuming the receive stream failed: {e}"))?;
-            if last_id < after {
-                // The stream just started skips the ids up to `after` that
-                // this store will give out again: start over on a new one.
-                lock(&self.state).cursor.reset();
-                let e = format!(
-                    "hub store rewound: {store_id} gave this device delivery ids up to \
-                     {last_id}, below the resume cursor {after}; receiving from the start"
-                );
-                tracing::warn!(%store_id, last_id, after, "{e}");
-                return Err(e);
-            }
-            tracing::debug!(after, last_id, "receive stream resumed");
+                .map_err(|e| format!("starting the receive stream failed: {e}"))?;
+            tracing::debug!("receive stream started");
             Ok(pushes)
         }
         .await;
@@ -1229,21 +1143,21 @@ impl HubLink {
             .map_err(LinkError::Client)
     }
 
-    /// Acknowledge deliveries so the hub forgets them, and let the resume
-    /// cursor move past them. Best effort: acks made while disconnected,
-    /// or lost with the connection, are dropped and the hub redelivers.
+    /// Acknowledge deliveries ([`Delivery::frame_ref`]) so the hub does not
+    /// push them again. Best effort: acks made while disconnected, or lost
+    /// with the connection, are dropped and the hub pushes the frames again.
     ///
     /// # Cancel safety
     /// Cancel safe: an interrupted ack may or may not have reached the hub;
     /// at worst the deliveries come again.
-    pub async fn ack(&self, ids: Vec<u64>) {
-        if ids.is_empty() {
+    pub async fn ack(&self, frames: Vec<FrameRef>) {
+        if frames.is_empty() {
             return;
         }
         let shared = self.shared();
         match shared.current_client() {
-            Some(client) => shared.ack_on(&client, ids).await,
-            None => tracing::debug!(count = ids.len(), "ack dropped: not connected"),
+            Some(client) => shared.ack_on(&client, frames).await,
+            None => tracing::debug!(count = frames.len(), "ack dropped: not connected"),
         }
     }
 
@@ -1452,48 +1366,16 @@ mod tests {
     }
 
     #[test]
-    fn cursor_moves_only_over_contiguous_confirmed_acks() {
-        let mut c = AckCursor::default();
-        for id in [1, 2, 3, 5] {
-            c.received(id);
-        }
-        c.confirmed(&[2, 3]);
-        assert_eq!(c.after, 0, "1 is still unacked");
-        c.confirmed(&[1]);
-        assert_eq!(c.after, 3);
-        // An id this stream never delivered does not move the cursor.
-        c.confirmed(&[9]);
-        assert_eq!(c.after, 3);
-        c.confirmed(&[5]);
-        assert_eq!(c.after, 5);
-        // A new stream resumes after the cursor and forgets what is in flight.
-        c.received(6);
-        assert_eq!(c.restart(), 5);
-        c.confirmed(&[6]);
-        assert_eq!(c.after, 5, "6 must be received again before it counts");
-    }
-
-    #[test]
-    fn another_store_resets_the_cursor_the_same_one_does_not() {
+    fn another_store_is_told_the_same_one_is_not() {
         let (a, b) = (StoreId([1; 16]), StoreId([2; 16]));
         let mut st = State::default();
-        assert_eq!(st.enter_store(a), None, "the first store resets nothing");
-        for id in [1, 2, 3] {
-            st.cursor.received(id);
-        }
-        st.cursor.confirmed(&[1, 2, 3]);
+        assert_eq!(st.enter_store(a), None, "the first store is no change");
         assert_eq!(st.enter_store(a), None);
-        assert_eq!(st.reset_for_connect(), 3, "same store: resume after 3");
-        st.cursor.received(4);
         assert_eq!(st.enter_store(b), Some(a));
-        assert_eq!(st.reset_for_connect(), 0, "another store: from the start");
-        st.cursor.confirmed(&[4]);
-        assert_eq!(st.cursor.after, 0, "an id of the old store never counts");
     }
 
     fn delivery(id: u64, topic: &str) -> Delivery {
         Delivery {
-            id,
             topic: TopicId::from(topic),
             seq: id,
             class: crate::wire::RetentionClass::Mailbox,
@@ -1528,8 +1410,8 @@ mod tests {
         );
         assert!(st.needs_resync());
         assert!(ack.is_empty());
-        // A new connection forgets the queues; the cursor never moved.
-        assert_eq!(st.reset_for_connect(), 0);
+        // A new connection forgets the queues.
+        st.reset_for_connect();
         assert_eq!(st.pending_total, 0);
         assert!(!st.needs_resync());
     }
@@ -1552,15 +1434,15 @@ mod tests {
         assert_eq!(st.pending_total, 3);
         let mut got = Vec::new();
         while let Ok(d) = rx.try_recv() {
-            got.push(d.id);
+            got.push(d.seq);
         }
         st.drain(&TopicId::from("a"));
         while let Ok(d) = rx.try_recv() {
-            got.push(d.id);
+            got.push(d.seq);
         }
         st.drain(&TopicId::from("a"));
         while let Ok(d) = rx.try_recv() {
-            got.push(d.id);
+            got.push(d.seq);
         }
         assert_eq!(got, vec![1, 2, 3, 4, 5]);
         assert_eq!(st.pending_total, 0);

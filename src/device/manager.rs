@@ -601,7 +601,7 @@ impl GroupPeerManager {
                 };
                 match me.accept_welcome(&d.payload).await {
                     Ok(()) => {
-                        link.ack(vec![d.id]).await;
+                        link.ack(vec![d.frame_ref()]).await;
                         restock.notify_one();
                     }
                     // A store failure may pass: leave it unacked so the hub
@@ -616,7 +616,7 @@ impl GroupPeerManager {
                             group: WelcomeEnvelope::open(&d.payload).ok().map(|w| w.group),
                             reason: e.to_string(),
                         });
-                        link.ack(vec![d.id]).await;
+                        link.ack(vec![d.frame_ref()]).await;
                     }
                 }
             }

@@ -261,8 +261,10 @@ impl SendFailure {
                 // Room comes back as the device's stored frames are acked,
                 // trimmed or expire; the entry's maximum age still ends it.
                 | HubError::StorageQuotaExceeded { .. }
+                // The owner has not read its mailbox yet.
+                | HubError::MailboxFull { .. }
                 // A notice of the receive stream, never a publish answer.
-                | HubError::DeliveriesDropped { .. } => retry(h.to_string()),
+                | HubError::FramesMissed { .. } => retry(h.to_string()),
                 HubError::Malformed { .. }
                 | HubError::FrameTooLarge { .. }
                 | HubError::UnknownFrameKind { .. }

@@ -53,7 +53,7 @@ type KeyPackages = (Vec<Vec<u8>>, Vec<KeyPackageRef>, Option<Vec<u8>>);
 struct Item {
     topic: TopicId,
     payload: Vec<u8>,
-    ack: Option<u64>,
+    ack: Option<crate::wire::FrameRef>,
 }
 
 impl GroupPeerManager {
@@ -104,8 +104,8 @@ impl GroupPeerManager {
                         while let Some(d) = r.recv().await {
                             let item = Item {
                                 topic: tp.clone(),
+                                ack: Some(d.frame_ref()),
                                 payload: d.payload,
-                                ack: Some(d.id),
                             };
                             if fwd.send(item).await.is_err() {
                                 break;

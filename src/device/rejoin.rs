@@ -727,7 +727,7 @@ impl GroupPeerManager {
                         d = rx.recv() => match d { Some(d) => d, None => break },
                     };
                     me.on_rendezvous(group, &hub, &d.payload);
-                    link.ack(vec![d.id]).await;
+                    link.ack(vec![d.frame_ref()]).await;
                 }
                 // Unless the rejoin made it one of the group's hubs, whose
                 // peer now holds the subscription.

@@ -9,11 +9,12 @@
 //! return what is durable, so no device can act on a frame a crash could
 //! still take back.
 
-use super::layout::{self as l, DeliveryRef, DeviceMeta, DeviceUsage, ExpiryKind, KeyPackageMeta};
+use super::layout::{self as l, DeviceMeta, DeviceUsage, ExpiryKind, KeyPackageMeta};
 use super::layout::{PublishRecord, StoredFrame, Subscription, TopicMeta};
 use super::limits::{Limits, RateKey, RateLimiter};
 use super::rules::{self, Attempt, Decision, TopicView};
 use super::store::{HubStore, HubTxn, StoreError};
+use super::stream::TopicStart;
 use crate::clock::Clock;
 use crate::wire::{
     Delivery, DeviceId, ExpectedHead, FetchResult, HubError, LogFrame, Publish, PublishOutcome,
@@ -79,26 +80,21 @@ pub struct Durable<T> {
 pub struct Published {
     /// The answer.
     pub outcome: PublishOutcome,
-    /// Devices that got a new delivery.
+    /// Devices whose receive stream has a new frame to push: the topic's
+    /// subscribers but the publisher (for a device's mailbox, its owner).
     pub recipients: Vec<DeviceId>,
-    /// Subscribers whose delivery was dropped because their queue was full
-    /// (their receive stream, if any, is woken to report it).
-    pub dropped_for: Vec<DeviceId>,
 }
 
-/// A page of a device's deliveries.
+/// A page of one topic's frames for one receive stream.
 #[derive(Debug, Default)]
-pub struct DeliveryBatch {
-    /// Deliveries in id order.
-    pub deliveries: Vec<Delivery>,
-    /// The cursor to continue after (past dropped references too).
+pub struct StreamPage {
+    /// Frames to push, in sequence order.
+    pub frames: Vec<Delivery>,
+    /// Every frame up to this one was looked at (pushed or passed over).
     pub scanned_through: u64,
-    /// Whether more may follow right away.
-    pub more: bool,
-    /// On the last page only: `(after_id, count)` when deliveries to this
-    /// device were dropped because its queue was full and that was not yet
-    /// reported. Report it, then [`HubCore::clear_dropped`] the count.
-    pub dropped: Option<(u64, u64)>,
+    /// `Some((after, through))` when frames of the log in that range were
+    /// trimmed before this stream reached them.
+    pub missed: Option<(u64, u64)>,
 }
 
 /// What one purge pass removed.
@@ -108,8 +104,9 @@ pub struct PurgeReport {
     pub log_frames: u64,
     /// Mailbox frames dropped.
     pub mailbox_frames: u64,
-    /// Deliveries dropped unacknowledged.
-    pub deliveries: u64,
+    /// Per-device delivery records of a store written before protocol
+    /// version 4, dropped when due.
+    pub legacy_deliveries: u64,
     /// Idempotency records forgotten.
     pub publish_records: u64,
 }
@@ -123,7 +120,8 @@ pub(crate) struct Counters {
     pub conflicts: AtomicU64,
     pub history_missing: AtomicU64,
     pub trimmed: AtomicU64,
-    pub deliveries_dropped: AtomicU64,
+    pub mailbox_full: AtomicU64,
+    pub frames_missed: AtomicU64,
     pub quota_refusals: AtomicU64,
     pub not_authorized: AtomicU64,
     pub conflict_retries: AtomicU64,
@@ -172,14 +170,14 @@ impl UsageStage {
         Ok(())
     }
 
-    /// One queued delivery of `device` is going away.
-    async fn release_delivery(
+    /// A frame of `owner`'s own mailbox is going away.
+    async fn release_mailbox_frame(
         &mut self,
         tx: &mut dyn HubTxn,
-        device: DeviceId,
+        owner: DeviceId,
     ) -> Result<(), HubError> {
-        let u = self.get(tx, device).await?;
-        u.queued = u.queued.saturating_sub(1);
+        let u = self.get(tx, owner).await?;
+        u.mailbox_frames = u.mailbox_frames.saturating_sub(1);
         Ok(())
     }
 
@@ -333,8 +331,6 @@ impl HubCore {
             PublishOutcome::HistoryMissing => &c.history_missing,
         };
         counter.fetch_add(1, Ordering::Relaxed);
-        c.deliveries_dropped
-            .fetch_add(done.value.dropped_for.len() as u64, Ordering::Relaxed);
         Ok(done)
     }
 
@@ -357,7 +353,6 @@ impl HubCore {
             Ok(Published {
                 outcome,
                 recipients: Vec::new(),
-                dropped_for: Vec::new(),
             })
         };
         let owner = p.topic.mailbox_owner();
@@ -417,80 +412,44 @@ impl HubCore {
         );
 
         let mut usage = UsageStage::new();
-        let mut recipients = Vec::new();
-        let mut dropped_for = Vec::new();
-        // A device's mailbox delivers to that device alone, whoever else
-        // may hold a subscription to it (one made before the form was
-        // reserved, say).
-        let subscribers = match &owner {
-            Some(owner) => {
-                let k = l::subscriber(&p.topic, owner);
-                match tx.get(&k).await.map_err(internal)? {
-                    Some(v) => vec![(k, v)],
-                    // The owner's mailbox holds frames for it whether or not
-                    // it subscribed here (it may never have, or its
-                    // subscription went with a store restored from a
-                    // backup): a Welcome must not depend on the joiner's
-                    // subscription being in place first. Bounded like any
-                    // delivery: the owner's queue quota, the sender's
-                    // stored bytes, the frame's retention.
-                    None => {
-                        let retention_secs = retention_ms / 1000;
-                        vec![(k, l::encode(&Subscription { retention_secs }))]
-                    }
+        // Nothing is written per subscriber: each one's receive stream reads
+        // the frame from the topic after its cursor. The subscribers are
+        // read only to know whose stream to wake (and, for a mailbox frame,
+        // how many must pass it before it goes).
+        let recipients: Vec<DeviceId> = match &owner {
+            // A device's mailbox delivers to that device alone, whoever else
+            // may hold a subscription to it (one made before the form was
+            // reserved, say), and whether or not it subscribed here (it may
+            // never have, or its subscription went with a store restored
+            // from a backup): a Welcome must not depend on the joiner's
+            // subscription being in place first.
+            Some(owner) if *owner != sender => {
+                let u = usage.get(tx, *owner).await?;
+                if u.mailbox_frames >= self.limits.max_mailbox_frames {
+                    self.counters.mailbox_full.fetch_add(1, Ordering::Relaxed);
+                    return Err(HubError::MailboxFull {
+                        max: self.limits.max_mailbox_frames,
+                    });
                 }
+                u.mailbox_frames += 1;
+                vec![*owner]
             }
+            Some(_) => Vec::new(),
             None => {
                 let prefix = l::subscriber_prefix(&p.topic);
                 let end = crate::kv::prefix_end(&prefix);
                 tx.range(&prefix, end.as_deref(), usize::MAX)
                     .await
                     .map_err(internal)?
+                    .into_iter()
+                    .filter_map(|(k, _)| {
+                        let dev = k.get(k.len().saturating_sub(32)..)?;
+                        Some(DeviceId(<[u8; 32]>::try_from(dev).ok()?))
+                    })
+                    .filter(|d| *d != sender)
+                    .collect()
             }
         };
-        for (k, v) in subscribers {
-            let Some(dev) = k
-                .get(k.len().saturating_sub(32)..)
-                .and_then(|b| <[u8; 32]>::try_from(b).ok())
-            else {
-                continue;
-            };
-            let dev = DeviceId(dev);
-            if dev == sender {
-                continue;
-            }
-            let sub: Subscription = l::decode(&k, &v).map_err(kv_internal)?;
-            let dmeta_key = l::device_meta(&dev);
-            let mut dmeta: DeviceMeta = read(tx, &dmeta_key).await?.unwrap_or_default();
-            // A full queue drops the new delivery: publishers never wait or
-            // fail for a subscriber that does not read, and what is queued
-            // stays in order. The drop is counted and reported.
-            let u = usage.get(tx, dev).await?;
-            if u.queued >= self.limits.max_queued_deliveries {
-                if u.dropped == 0 {
-                    u.dropped_after = dmeta.last_delivery;
-                }
-                u.dropped += 1;
-                dropped_for.push(dev);
-                continue;
-            }
-            u.queued += 1;
-            dmeta.last_delivery += 1;
-            let dkey = l::delivery(&dev, dmeta.last_delivery);
-            let expires = now.saturating_add(sub.retention_secs.saturating_mul(1000));
-            tx.put(
-                dkey.clone(),
-                l::encode(&DeliveryRef {
-                    topic: p.topic.clone(),
-                    seq,
-                    class: p.class,
-                    expires_at_ms: expires,
-                }),
-            );
-            tx.put(l::expiry(expires, ExpiryKind::Delivery, &dkey), vec![]);
-            tx.put(dmeta_key, l::encode(&dmeta));
-            recipients.push(dev);
-        }
 
         // The publisher's stored bytes: counted for a frame the hub keeps (a
         // log frame, or a mailbox frame someone will receive).
@@ -553,7 +512,6 @@ impl HubCore {
                 head: meta.head,
             },
             recipients,
-            dropped_for,
         })
     }
 
@@ -717,7 +675,10 @@ impl HubCore {
     }
 
     /// Subscribe `device` to `topic` (or change the retention of an existing
-    /// subscription).
+    /// subscription). A new subscription's cursor starts at the topic's
+    /// last frame: frames published from now on are pushed to it. A
+    /// device's own mailbox keeps the cursor it has (from its first frame
+    /// when it never had one), so nothing posted there before is skipped.
     ///
     /// # Errors
     /// `BadTopic`, `NotAuthorized` (another device's mailbox),
@@ -734,6 +695,7 @@ impl HubCore {
         self.rate.check(&device, None)?;
         let skey = l::subscriber(topic, &device);
         let dkey = l::device_meta(&device);
+        let own_mailbox = topic.mailbox_owner() == Some(device);
         Ok(transact!(self, tx => {
             let mut dmeta: DeviceMeta = read(&mut *tx, &dkey).await?.unwrap_or_default();
             if tx.get(&skey).await.map_err(internal)?.is_none() {
@@ -745,6 +707,11 @@ impl HubCore {
                 dmeta.subscriptions += 1;
                 tx.put(dkey.clone(), l::encode(&dmeta));
                 tx.put(l::device_subscription(&device, topic), vec![]);
+                if !own_mailbox {
+                    let meta: TopicMeta =
+                        read(&mut *tx, &l::topic_meta(topic)).await?.unwrap_or_default();
+                    tx.put(l::cursor(&device, topic), l::cursor_value(meta.last_seq));
+                }
             }
             tx.put(
                 skey.clone(),
@@ -755,8 +722,8 @@ impl HubCore {
         }))
     }
 
-    /// Drop a subscription. Deliveries already queued stay until acked or
-    /// expired.
+    /// Drop a subscription and its cursor (a device's own mailbox keeps its
+    /// cursor: the mailbox is its whoever subscribes).
     ///
     /// # Errors
     /// `BadTopic`, `Internal`.
@@ -768,6 +735,7 @@ impl HubCore {
         self.check_topic(topic)?;
         let skey = l::subscriber(topic, &device);
         let dkey = l::device_meta(&device);
+        let own_mailbox = topic.mailbox_owner() == Some(device);
         Ok(transact!(self, tx => {
             if tx.get(&skey).await.map_err(internal)?.is_none() {
                 false
@@ -776,132 +744,239 @@ impl HubCore {
                 dmeta.subscriptions = dmeta.subscriptions.saturating_sub(1);
                 tx.delete(skey.clone());
                 tx.delete(l::device_subscription(&device, topic));
+                if !own_mailbox {
+                    tx.delete(l::cursor(&device, topic));
+                }
                 tx.put(dkey.clone(), l::encode(&dmeta));
                 true
             }
         }))
     }
 
-    /// The highest delivery id ever given to `device` (0: none yet), as
-    /// `Receive` answers it. It never decreases while the store is kept;
-    /// it may name deliveries that are not durable yet.
+    /// Where `device`'s receive stream starts: every topic it subscribed to
+    /// and its own mailbox, each with its stored cursor and how far its
+    /// frames are durable.
     ///
     /// # Errors
     /// `Internal`.
-    pub async fn last_delivery_id(&self, device: DeviceId) -> Result<u64, HubError> {
-        let m: DeviceMeta = self
-            .read_committed(&l::device_meta(&device))
-            .await?
-            .unwrap_or_default();
-        Ok(m.last_delivery)
+    pub async fn stream_start(&self, device: DeviceId) -> Result<Vec<TopicStart>, HubError> {
+        let prefix = l::device_subscription_prefix(&device);
+        let end = crate::kv::prefix_end(&prefix);
+        let seen = transact!(self, tx => {
+            let rows = tx
+                .range(&prefix, end.as_deref(), usize::MAX)
+                .await
+                .map_err(internal)?;
+            let mut topics: Vec<TopicId> = rows
+                .iter()
+                .filter_map(|(k, _)| l::parse_device_subscription(k))
+                .collect();
+            let mailbox = TopicId::mailbox(&device);
+            if !topics.contains(&mailbox) {
+                topics.push(mailbox);
+            }
+            let mut out = Vec::with_capacity(topics.len());
+            for topic in topics {
+                if let Some(start) = self.topic_start_in(&mut *tx, device, topic).await? {
+                    out.push(start);
+                }
+            }
+            out
+        });
+        self.durable(seen.gen).await?;
+        Ok(seen.value)
     }
 
-    /// Up to `limit` durable deliveries of `device` with ids above `after`.
-    /// References to frames that were trimmed or expired are dropped. The
-    /// last page also carries an unreported count of deliveries dropped
-    /// for a full queue ([`DeliveryBatch::dropped`]).
+    /// [`HubCore::stream_start`] for one topic: `None` when `device` neither
+    /// subscribed to it nor owns it.
+    ///
+    /// # Errors
+    /// `Internal`.
+    pub async fn topic_start(
+        &self,
+        device: DeviceId,
+        topic: &TopicId,
+    ) -> Result<Option<TopicStart>, HubError> {
+        let seen = transact!(self, tx => {
+            self.topic_start_in(&mut *tx, device, topic.clone()).await?
+        });
+        self.durable(seen.gen).await?;
+        Ok(seen.value)
+    }
+
+    async fn topic_start_in(
+        &self,
+        tx: &mut dyn HubTxn,
+        device: DeviceId,
+        topic: TopicId,
+    ) -> Result<Option<TopicStart>, HubError> {
+        let sub: Option<Subscription> = read(tx, &l::subscriber(&topic, &device)).await?;
+        let own_mailbox = topic.mailbox_owner() == Some(device);
+        if sub.is_none() && !own_mailbox {
+            return Ok(None);
+        }
+        let retention_secs = match &sub {
+            Some(s) => s.retention_secs,
+            None => self.limits.max_retention.as_secs(),
+        };
+        let ckey = l::cursor(&device, &topic);
+        // No cursor: the device's own mailbox, or a subscription of a store
+        // written before protocol version 4. Both read everything held.
+        let cursor = match tx.get(&ckey).await.map_err(internal)? {
+            Some(v) => l::parse_cursor(&ckey, &v).map_err(kv_internal)?,
+            None => 0,
+        };
+        let meta: TopicMeta = read(tx, &l::topic_meta(&topic)).await?.unwrap_or_default();
+        Ok(Some(TopicStart {
+            topic,
+            cursor,
+            durable_through: meta.last_seq,
+            max_age_ms: retention_secs.saturating_mul(1000),
+        }))
+    }
+
+    /// Up to `limit` frames of `topic` for `device`'s receive stream, above
+    /// `after` and up to `through` (which the caller knows to be durable):
+    /// log and mailbox frames in sequence order, but the device's own frames
+    /// and frames older than `max_age_ms`, which are passed over.
     ///
     /// # Errors
     /// `Internal`.
     ///
     /// # Cancel safety
-    /// Cancel safe: at worst a dangling reference is dropped later.
-    pub async fn deliveries(
+    /// Cancel safe: it changes nothing.
+    pub async fn stream_page(
         &self,
         device: DeviceId,
+        topic: &TopicId,
         after: u64,
+        through: u64,
+        max_age_ms: u64,
         limit: usize,
-    ) -> Result<DeliveryBatch, HubError> {
-        let seen = transact!(self, tx => {
-            let m: DeviceMeta = read(&mut *tx, &l::device_meta(&device)).await?.unwrap_or_default();
-            let u: DeviceUsage = read(&mut *tx, &l::device_usage(&device)).await?.unwrap_or_default();
-            (m.last_delivery, u)
-        });
-        let ((last, usage), gen) = (seen.value, seen.gen);
-        let dropped = (usage.dropped > 0).then_some((usage.dropped_after, usage.dropped));
-        let mut out = DeliveryBatch {
-            deliveries: Vec::new(),
+    ) -> Result<StreamPage, HubError> {
+        let mut page = StreamPage {
+            frames: Vec::new(),
             scanned_through: after,
-            more: false,
-            dropped: None,
+            missed: None,
         };
-        if last <= after {
-            if dropped.is_some() {
-                self.durable(gen).await?;
-                out.dropped = dropped;
-            }
-            return Ok(out);
+        if through <= after {
+            return Ok(page);
         }
-        self.durable(gen).await?;
-        let start = l::delivery(&device, after + 1);
-        let end = l::delivery(&device, last + 1);
-        let rows = self
-            .store
-            .range(&start, Some(&end), limit)
-            .await
-            .map_err(internal)?;
-        out.more = rows.len() == limit;
-        let mut dangling = Vec::new();
-        for (k, v) in rows {
-            let Some((_, id)) = l::parse_delivery(&k) else {
+        let meta: TopicMeta = self
+            .read_committed(&l::topic_meta(topic))
+            .await?
+            .unwrap_or_default();
+        if meta.removed_through > after {
+            let through_seq = meta.removed_through.min(through);
+            page.missed = Some((after, through_seq));
+            self.counters.frames_missed.fetch_add(1, Ordering::Relaxed);
+        }
+        // Log and mailbox frames of one topic share its sequence numbers;
+        // read both and merge. When either read is cut by `limit`, the page
+        // ends at the last frame of the shorter one.
+        let mut bound = through;
+        let mut rows = Vec::new();
+        for (class, start, end) in [
+            (
+                RetentionClass::Log,
+                l::log_frame(topic, after + 1),
+                l::log_frame(topic, through.saturating_add(1)),
+            ),
+            (
+                RetentionClass::Mailbox,
+                l::mailbox_frame(topic, after + 1),
+                l::mailbox_frame(topic, through.saturating_add(1)),
+            ),
+        ] {
+            let got = self
+                .store
+                .range(&start, Some(&end), limit)
+                .await
+                .map_err(internal)?;
+            if got.len() == limit {
+                if let Some((_, seq)) = got.last().and_then(|(k, _)| l::parse_frame_key(k)) {
+                    bound = bound.min(seq);
+                }
+            }
+            rows.extend(got.into_iter().map(|(k, v)| (class, k, v)));
+        }
+        let now = self.clock.now_ms();
+        let mut frames = Vec::new();
+        for (class, k, v) in rows {
+            let Some((_, seq)) = l::parse_frame_key(&k) else {
                 continue;
             };
-            out.scanned_through = id;
-            let r: DeliveryRef = l::decode(&k, &v).map_err(kv_internal)?;
-            let fkey = match r.class {
-                RetentionClass::Log => l::log_frame(&r.topic, r.seq),
-                RetentionClass::Mailbox => l::mailbox_frame(&r.topic, r.seq),
-            };
-            match self.read_committed::<StoredFrame>(&fkey).await? {
-                Some(f) => out.deliveries.push(Delivery {
-                    id,
-                    topic: r.topic,
-                    seq: r.seq,
-                    class: r.class,
-                    sender: f.sender,
-                    publish_id: f.publish_id,
-                    published_at_ms: f.published_at_ms,
-                    payload: f.payload,
-                }),
-                None => dangling.push(k),
+            if seq > bound {
+                continue;
             }
-        }
-        if !out.more {
-            out.scanned_through = last;
-            out.dropped = dropped;
-        }
-        if !dangling.is_empty() {
-            transact!(self, tx => {
-                let mut usage = UsageStage::new();
-                for k in &dangling {
-                    // An ack or a purge since the read may have removed it.
-                    if tx.get(k).await.map_err(internal)?.is_some() {
-                        tx.delete(k.clone());
-                        usage.release_delivery(&mut *tx, device).await?;
-                    }
-                }
-                usage.stage(&mut *tx);
+            let f: StoredFrame = l::decode(&k, &v).map_err(kv_internal)?;
+            if f.sender == device || f.published_at_ms.saturating_add(max_age_ms) < now {
+                continue;
+            }
+            frames.push(Delivery {
+                topic: topic.clone(),
+                seq,
+                class,
+                sender: f.sender,
+                publish_id: f.publish_id,
+                published_at_ms: f.published_at_ms,
+                payload: f.payload,
             });
         }
-        Ok(out)
+        frames.sort_by_key(|d| d.seq);
+        page.frames = frames;
+        page.scanned_through = bound;
+        Ok(page)
     }
 
-    /// The device was told that `count` of its deliveries were dropped:
-    /// take them off the unreported count (drops since stay on it).
+    /// Save the cursors of `device`'s subscriptions that its receive stream
+    /// moved: each `(topic, cursor)` moves forward only, and only for a
+    /// topic the device still subscribes to (or owns). A mailbox frame the
+    /// cursor passes counts this device as done with it; it goes when
+    /// every recipient is.
     ///
     /// # Errors
     /// `Internal`.
-    pub async fn clear_dropped(&self, device: DeviceId, count: u64) -> Result<(), HubError> {
-        transact!(self, tx => {
+    pub async fn save_cursors(
+        &self,
+        device: DeviceId,
+        cursors: &[(TopicId, u64)],
+    ) -> Result<Durable<()>, HubError> {
+        Ok(transact!(self, tx => {
             let mut usage = UsageStage::new();
-            let u = usage.get(&mut *tx, device).await?;
-            u.dropped = u.dropped.saturating_sub(count);
-            if u.dropped == 0 {
-                u.dropped_after = 0;
+            let mut frames: BTreeMap<Vec<u8>, Option<StoredFrame>> = BTreeMap::new();
+            for (topic, new) in cursors {
+                let own_mailbox = topic.mailbox_owner() == Some(device);
+                if !own_mailbox
+                    && tx
+                        .get(&l::subscriber(topic, &device))
+                        .await
+                        .map_err(internal)?
+                        .is_none()
+                {
+                    continue;
+                }
+                let ckey = l::cursor(&device, topic);
+                let old = match tx.get(&ckey).await.map_err(internal)? {
+                    Some(v) => l::parse_cursor(&ckey, &v).map_err(kv_internal)?,
+                    None => 0,
+                };
+                if *new <= old {
+                    continue;
+                }
+                tx.put(ckey, l::cursor_value(*new));
+                let start = l::mailbox_frame(topic, old + 1);
+                let end = l::mailbox_frame(topic, new.saturating_add(1));
+                for (k, v) in tx.range(&start, Some(&end), usize::MAX).await.map_err(internal)? {
+                    let f: StoredFrame = l::decode(&k, &v).map_err(kv_internal)?;
+                    if f.sender != device {
+                        release_mailbox(&mut *tx, &k, &mut frames).await?;
+                    }
+                }
             }
+            stage_mailbox_frames(&mut *tx, frames, &mut usage).await?;
             usage.stage(&mut *tx);
-        });
-        Ok(())
+        }))
     }
 
     /// What `device` uses of its per-device quotas now (including changes
@@ -914,42 +989,6 @@ impl HubCore {
             .read_committed(&l::device_usage(&device))
             .await?
             .unwrap_or_default())
-    }
-
-    /// Forget acknowledged deliveries; unknown ids are ignored. A mailbox
-    /// frame goes once every recipient acked it.
-    ///
-    /// # Errors
-    /// `TooManyAcks`, `Internal`.
-    pub async fn ack(&self, device: DeviceId, ids: &[u64]) -> Result<Durable<u32>, HubError> {
-        if ids.len() > self.limits.max_acks {
-            return Err(HubError::TooManyAcks {
-                count: ids.len() as u64,
-                max: self.limits.max_acks as u64,
-            });
-        }
-        let unique: std::collections::BTreeSet<u64> = ids.iter().copied().collect();
-        Ok(transact!(self, tx => {
-            let mut usage = UsageStage::new();
-            let mut removed = 0u32;
-            let mut frames: BTreeMap<Vec<u8>, Option<StoredFrame>> = BTreeMap::new();
-            for id in &unique {
-                let dkey = l::delivery(&device, *id);
-                let Some(r) = read::<DeliveryRef>(&mut *tx, &dkey).await? else {
-                    continue;
-                };
-                tx.delete(dkey);
-                removed += 1;
-                usage.release_delivery(&mut *tx, device).await?;
-                if r.class == RetentionClass::Mailbox {
-                    release_mailbox(&mut *tx, &l::mailbox_frame(&r.topic, r.seq), &mut frames)
-                        .await?;
-                }
-            }
-            stage_mailbox_frames(&mut *tx, frames, &mut usage).await?;
-            usage.stage(&mut *tx);
-            removed
-        }))
     }
 
     /// Add key packages to `device`'s pool (all or none) and optionally set
@@ -1153,7 +1192,7 @@ impl HubCore {
             let (part, rows) = pass.value;
             report.log_frames += part.log_frames;
             report.mailbox_frames += part.mailbox_frames;
-            report.deliveries += part.deliveries;
+            report.legacy_deliveries += part.legacy_deliveries;
             report.publish_records += part.publish_records;
             if rows < PAGE {
                 return Ok(Durable {
@@ -1197,25 +1236,20 @@ impl HubCore {
                     }
                 }
                 ExpiryKind::Delivery => {
-                    if !deleted.insert(target.to_vec()) {
-                        continue;
-                    }
-                    if let Some(r) = read::<DeliveryRef>(tx, target).await? {
+                    if deleted.insert(target.to_vec())
+                        && tx.get(target).await.map_err(internal)?.is_some()
+                    {
                         tx.delete(target.to_vec());
-                        report.deliveries += 1;
-                        if let Some((device, _)) = l::parse_delivery(target) {
-                            usage.release_delivery(tx, device).await?;
-                        }
-                        if r.class == RetentionClass::Mailbox {
-                            release_mailbox(tx, &l::mailbox_frame(&r.topic, r.seq), &mut frames)
-                                .await?;
-                        }
+                        report.legacy_deliveries += 1;
                     }
                 }
                 ExpiryKind::MailboxFrame => {
                     if !frames.contains_key(target) {
-                        let f = read::<StoredFrame>(tx, target).await?;
-                        frames.insert(target.to_vec(), f);
+                        // A frame gone already (every recipient passed it)
+                        // stays out of the map: nothing of it to release.
+                        if let Some(f) = read::<StoredFrame>(tx, target).await? {
+                            frames.insert(target.to_vec(), Some(f));
+                        }
                     }
                     if let Some(slot) = frames.get_mut(target) {
                         if let Some(f) = slot.take() {
@@ -1257,8 +1291,9 @@ impl HubCore {
 
 /// Write back the mailbox frames an operation touched: a frame some
 /// recipient still holds is kept, any other is deleted and its bytes are
-/// released from its sender's usage. A frame already taken out (`None`) had
-/// its bytes released when it was taken.
+/// released from its sender's usage (and, in a device's own mailbox, from
+/// the owner's count). A frame already taken out (`None`) had its bytes
+/// released when it was taken.
 async fn stage_mailbox_frames(
     tx: &mut dyn HubTxn,
     frames: BTreeMap<Vec<u8>, Option<StoredFrame>>,
@@ -1269,10 +1304,27 @@ async fn stage_mailbox_frames(
             Some(f) if f.remaining > 0 => tx.put(k, l::encode(&f)),
             Some(f) => {
                 usage.release_bytes(tx, f.sender, f.payload.len()).await?;
+                release_owner(tx, &k, usage).await?;
                 tx.delete(k);
             }
-            None => tx.delete(k),
+            None => {
+                release_owner(tx, &k, usage).await?;
+                tx.delete(k);
+            }
         }
+    }
+    Ok(())
+}
+
+/// A frame of a device's own mailbox is going away: it no longer counts
+/// against that device's `max_mailbox_frames`.
+async fn release_owner(
+    tx: &mut dyn HubTxn,
+    fkey: &[u8],
+    usage: &mut UsageStage,
+) -> Result<(), HubError> {
+    if let Some(owner) = l::parse_frame_key(fkey).and_then(|(t, _)| t.mailbox_owner()) {
+        usage.release_mailbox_frame(tx, owner).await?;
     }
     Ok(())
 }
@@ -1284,8 +1336,9 @@ async fn release_mailbox(
     frames: &mut BTreeMap<Vec<u8>, Option<StoredFrame>>,
 ) -> Result<(), HubError> {
     if !frames.contains_key(fkey) {
-        let f = read::<StoredFrame>(tx, fkey).await?;
-        frames.insert(fkey.to_vec(), f);
+        if let Some(f) = read::<StoredFrame>(tx, fkey).await? {
+            frames.insert(fkey.to_vec(), Some(f));
+        }
     }
     if let Some(Some(f)) = frames.get_mut(fkey) {
         f.remaining = f.remaining.saturating_sub(1);

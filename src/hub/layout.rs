@@ -5,7 +5,7 @@
 //! topic's keys never share a prefix with another's. Values are postcard.
 
 use crate::kv::KvError;
-use crate::wire::{DeviceId, PublishId, RetentionClass, TopicId};
+use crate::wire::{DeviceId, PublishId, TopicId};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
@@ -16,7 +16,10 @@ const PUBLISH_RECORD: u8 = b'P';
 const SUBSCRIBER: u8 = b'S';
 const DEVICE_SUBSCRIPTION: u8 = b's';
 const DEVICE_META: u8 = b'D';
-const DELIVERY: u8 = b'd';
+/// Stores written before protocol version 4 hold per-device delivery
+/// records under b'd'; nothing reads them, and their expiry entries
+/// ([`ExpiryKind::Delivery`]) remove them.
+const CURSOR: u8 = b'C';
 const KEY_PACKAGE_META: u8 = b'K';
 const KEY_PACKAGE: u8 = b'k';
 const EXPIRY: u8 = b'E';
@@ -28,6 +31,8 @@ const DEVICE_USAGE: u8 = b'U';
 pub(crate) enum ExpiryKind {
     LogFrame = 1,
     MailboxFrame = 2,
+    /// A per-device delivery record of a store written before protocol
+    /// version 4: removed when due, nothing else.
     Delivery = 3,
     PublishRecord = 4,
 }
@@ -134,18 +139,44 @@ pub(crate) fn frame_prefixes() -> [Vec<u8>; 2] {
     [key(LOG_FRAME), key(MAILBOX_FRAME)]
 }
 
-#[cfg(test)]
-pub(crate) fn delivery_prefix(device: &DeviceId) -> Vec<u8> {
-    let mut k = key(DELIVERY);
+/// A subscription's cursor (a bare big-endian u64, not postcard): every
+/// frame of the topic up to it was pushed to the device and acknowledged, or
+/// passed over. Kept apart from the subscription record, because a device's
+/// own mailbox has a cursor whether or not the device subscribed to it.
+pub(crate) fn cursor(device: &DeviceId, topic: &TopicId) -> Vec<u8> {
+    let mut k = key(CURSOR);
+    k.extend_from_slice(&device.0);
+    topic_part(&mut k, topic);
+    k
+}
+
+/// A stored cursor's value.
+pub(crate) fn cursor_value(seq: u64) -> Vec<u8> {
+    seq.to_be_bytes().to_vec()
+}
+
+/// Read a stored cursor's value.
+pub(crate) fn parse_cursor(key: &[u8], v: &[u8]) -> Result<u64, KvError> {
+    <[u8; 8]>::try_from(v)
+        .map(u64::from_be_bytes)
+        .map_err(|_| KvError::Corrupt {
+            key: hex::encode(key),
+            reason: format!("a cursor is 8 bytes, not {}", v.len()),
+        })
+}
+
+/// The key prefix of every subscription of `device` ([`device_subscription`]).
+pub(crate) fn device_subscription_prefix(device: &DeviceId) -> Vec<u8> {
+    let mut k = key(DEVICE_SUBSCRIPTION);
     k.extend_from_slice(&device.0);
     k
 }
 
-pub(crate) fn delivery(device: &DeviceId, id: u64) -> Vec<u8> {
-    let mut k = key(DELIVERY);
-    k.extend_from_slice(&device.0);
-    k.extend_from_slice(&id.to_be_bytes());
-    k
+/// The topic of a [`device_subscription`] key.
+pub(crate) fn parse_device_subscription(k: &[u8]) -> Option<TopicId> {
+    let rest = k.get(33..)?;
+    let len = u16::from_be_bytes([*rest.first()?, *rest.get(1)?]) as usize;
+    (rest.len() == 2 + len).then(|| TopicId(rest[2..].to_vec()))
 }
 
 pub(crate) fn key_package_meta(device: &DeviceId) -> Vec<u8> {
@@ -191,16 +222,6 @@ pub(crate) fn parse_expiry(k: &[u8]) -> Option<(ExpiryKind, &[u8])> {
         return None;
     }
     Some((ExpiryKind::from_byte(k[9])?, &k[10..]))
-}
-
-/// Split a delivery key into (device, delivery id).
-pub(crate) fn parse_delivery(k: &[u8]) -> Option<(DeviceId, u64)> {
-    if k.len() != 41 || k[0] != DELIVERY {
-        return None;
-    }
-    let dev: [u8; 32] = k[1..33].try_into().ok()?;
-    let id = u64::from_be_bytes(k[33..41].try_into().ok()?);
-    Some((DeviceId(dev), id))
 }
 
 /// Split a log-frame or mailbox-frame key into (topic, seq).
@@ -255,45 +276,35 @@ pub(crate) struct PublishRecord {
 /// A durable subscription.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct Subscription {
+    /// Frames published longer ago than this are not pushed to it.
     pub retention_secs: u64,
 }
 
-/// Per-device delivery state.
+/// Per-device state.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct DeviceMeta {
-    /// The last delivery id assigned (0: none yet).
-    pub last_delivery: u64,
+    /// Unused since protocol version 4 (deliveries come from cursors); kept
+    /// so that records written before it still decode.
+    pub legacy_last_delivery: u64,
     pub subscriptions: u32,
 }
 
 /// What one device uses of its per-device quotas, kept in the same atomic
 /// batch as the change that moves it.
 ///
-/// A store written before quotas existed holds frames and deliveries that
-/// no usage record counts; releasing them saturates at zero, so usage there
-/// is an undercount until those old records are gone.
+/// A store written before quotas existed holds frames that no usage record
+/// counts; releasing them saturates at zero, so usage there is an
+/// undercount until those old records are gone. (A record written before
+/// protocol version 4 has two more fields, which decoding ignores; its
+/// `mailbox_frames` counted queued deliveries then.)
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DeviceUsage {
-    /// Deliveries queued for this device and not yet acked, expired or
-    /// dropped (`Limits::max_queued_deliveries`).
-    pub queued: u64,
+    /// Frames the hub holds in this device's own mailbox
+    /// (`Limits::max_mailbox_frames`).
+    pub mailbox_frames: u64,
     /// Payload bytes of the log and mailbox frames this device published
     /// that the hub still holds (`Limits::max_stored_bytes`).
     pub stored_bytes: u64,
-    /// Deliveries dropped because the queue was full, not yet reported to
-    /// the device on a receive stream.
-    pub dropped: u64,
-    /// The device's last delivery id when the first of those was dropped.
-    pub dropped_after: u64,
-}
-
-/// A delivery waiting in a device's queue: a reference to the frame.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) struct DeliveryRef {
-    pub topic: TopicId,
-    pub seq: u64,
-    pub class: RetentionClass,
-    pub expires_at_ms: u64,
 }
 
 /// A device's key-package pool.
@@ -328,7 +339,11 @@ mod tests {
         let d = DeviceId([7; 32]);
         assert_eq!(parse_frame_key(&log_frame(&t, 9)), Some((t.clone(), 9)));
         assert_eq!(parse_frame_key(&mailbox_frame(&t, 3)), Some((t.clone(), 3)));
-        assert_eq!(parse_delivery(&delivery(&d, 5)), Some((d, 5)));
+        let sub = device_subscription(&d, &t);
+        assert!(sub.starts_with(&device_subscription_prefix(&d)));
+        assert_eq!(parse_device_subscription(&sub), Some(t.clone()));
+        assert_eq!(parse_cursor(b"k", &cursor_value(77)).unwrap(), 77);
+        assert!(parse_cursor(b"k", &[1, 2]).is_err());
         let target = log_frame(&t, 9);
         let e = expiry(1234, ExpiryKind::LogFrame, &target);
         assert_eq!(

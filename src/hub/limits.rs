@@ -38,7 +38,7 @@ pub struct Limits {
     pub max_retention: Duration,
     /// Largest `limit` of one fetch (`BadFetchLimit`).
     pub max_fetch: u32,
-    /// Most ids in one ack (`TooManyAcks`).
+    /// Most frames in one ack (`TooManyAcks`).
     pub max_acks: usize,
     /// Key packages in one device's pool (`KeyPackagePoolFull`).
     pub max_key_packages: u32,
@@ -55,12 +55,13 @@ pub struct Limits {
     /// together (`RateLimited { scope: "target" }`), so nobody drains a
     /// pool in one burst.
     pub target_rate: Rate,
-    /// Deliveries queued (not yet acked) per device. When a device's queue
-    /// is full, new deliveries to it are dropped (never queued), counted in
-    /// `HubMetrics::deliveries_dropped`, and reported to the device on its
-    /// receive stream (`DeliveriesDropped`); publishers are never refused
-    /// or slowed for it.
-    pub max_queued_deliveries: u64,
+    /// Frames one device's own mailbox holds that the device has not
+    /// acknowledged. A post to a full mailbox is refused (`MailboxFull`),
+    /// stores nothing, and is counted in `HubMetrics::mailbox_full`; the
+    /// poster tries again later. Log topics have no such bound: a slow
+    /// subscriber falls behind in the log itself, which its depth and
+    /// retention bound.
+    pub max_mailbox_frames: u64,
     /// Payload bytes one device may have stored on the hub: the log and
     /// mailbox frames it published that are still held
     /// (`StorageQuotaExceeded`).
@@ -100,7 +101,7 @@ impl Default for Limits {
                 per_sec: 10.0 / 60.0,
                 burst: 10.0,
             },
-            max_queued_deliveries: 10_000,
+            max_mailbox_frames: 10_000,
             max_stored_bytes: 1 << 30,
         }
     }
@@ -122,7 +123,7 @@ impl Limits {
             mailbox_rate: fast,
             claimer_rate: fast,
             target_rate: fast,
-            max_queued_deliveries: u64::MAX,
+            max_mailbox_frames: u64::MAX,
             max_stored_bytes: u64::MAX,
             ..Self::default()
         }
@@ -151,8 +152,8 @@ impl Limits {
         if self.max_log_depth == 0 || self.max_fetch == 0 || self.max_acks == 0 {
             return Err("log depth, fetch limit and ack limit must be at least 1".into());
         }
-        if self.max_queued_deliveries == 0 || self.max_stored_bytes == 0 {
-            return Err("queued deliveries and stored bytes per device must be at least 1".into());
+        if self.max_mailbox_frames == 0 || self.max_stored_bytes == 0 {
+            return Err("mailbox frames and stored bytes per device must be at least 1".into());
         }
         for (name, r) in [
             ("device", self.device_rate),

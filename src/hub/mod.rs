@@ -12,27 +12,28 @@ mod limits;
 mod rules;
 mod server;
 mod store;
+mod stream;
 
 #[cfg(test)]
 mod model_tests;
 #[cfg(test)]
 mod quota_tests;
 
-pub use self::core::{DeliveryBatch, Durable, HubCore, Published, PurgeReport};
+pub use self::core::{Durable, HubCore, Published, PurgeReport, StreamPage};
 pub use self::layout::DeviceUsage;
 pub use self::limits::{Limits, Rate};
 pub use self::store::{Generation, HubStore, HubTxn, KvHubStore, StoreError};
+pub use self::stream::TopicStart;
 
 use crate::clock::Clock;
 use crate::kv::KvStore;
 use crate::rng::SharedRng;
 use crate::transport::Listener;
-use crate::wire::DeviceId;
+use crate::wire::{DeviceId, TopicId};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -153,8 +154,11 @@ pub struct HubMetrics {
     /// Connections closed because they had not authenticated by the
     /// `auth_deadline`.
     pub auth_timeouts: u64,
-    /// Deliveries dropped because the recipient's queue was full.
-    pub deliveries_dropped: u64,
+    /// Posts refused because the owner's mailbox was full.
+    pub mailbox_full: u64,
+    /// Times a receive stream found frames trimmed from a log before it
+    /// reached them (each reported to the device as `FramesMissed`).
+    pub frames_missed: u64,
     /// Publishes refused because the publisher's stored bytes would exceed
     /// its quota.
     pub quota_refusals: u64,
@@ -177,7 +181,7 @@ struct ServerCounters {
 /// The receive stream a device has open.
 struct Session {
     conn: u64,
-    wake: Arc<Notify>,
+    stream: Arc<server::Stream>,
     cancel: CancellationToken,
 }
 
@@ -187,6 +191,9 @@ pub(crate) struct HubShared {
     clock: Clock,
     rng: SharedRng,
     sessions: Mutex<BTreeMap<DeviceId, Session>>,
+    /// One lock per device with a receive stream: a new stream starts once
+    /// the one it replaces has saved its cursors.
+    stream_locks: Mutex<BTreeMap<DeviceId, std::sync::Weak<tokio::sync::Mutex<()>>>>,
     used_nonces: Mutex<BTreeMap<[u8; 32], u64>>,
     shutdown: CancellationToken,
     tasks: TaskTracker,
@@ -195,14 +202,29 @@ pub(crate) struct HubShared {
 }
 
 impl HubShared {
-    /// Wake the receive stream of each device, if it has one.
-    fn wake(&self, devices: &[DeviceId]) {
+    /// Frame `seq` of `topic` is durable: wake the receive stream of each
+    /// device, if it has one, to push it.
+    fn wake(&self, devices: &[DeviceId], topic: &TopicId, seq: u64) {
         let sessions = self.sessions.lock().unwrap_or_else(|p| p.into_inner());
         for d in devices {
             if let Some(s) = sessions.get(d) {
-                s.wake.notify_one();
+                s.stream.woken(topic, seq);
             }
         }
+    }
+
+    /// The lock a receive stream of `device` holds while it runs.
+    fn stream_lock(&self, device: DeviceId) -> Arc<tokio::sync::Mutex<()>> {
+        let mut locks = self.stream_locks.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(l) = locks.get(&device).and_then(std::sync::Weak::upgrade) {
+            return l;
+        }
+        if locks.len() % 1024 == 1023 {
+            locks.retain(|_, l| l.strong_count() > 0);
+        }
+        let l = Arc::new(tokio::sync::Mutex::new(()));
+        locks.insert(device, Arc::downgrade(&l));
+        l
     }
 }
 
@@ -261,6 +283,7 @@ impl Hub {
             clock,
             rng,
             sessions: Mutex::new(BTreeMap::new()),
+            stream_locks: Mutex::new(BTreeMap::new()),
             used_nonces: Mutex::new(BTreeMap::new()),
             shutdown: CancellationToken::new(),
             tasks: TaskTracker::new(),
@@ -366,7 +389,8 @@ impl Hub {
             unauthenticated: r(&s.unauthenticated),
             unauthenticated_refused: r(&s.unauthenticated_refused),
             auth_timeouts: r(&s.auth_timeouts),
-            deliveries_dropped: r(&c.deliveries_dropped),
+            mailbox_full: r(&c.mailbox_full),
+            frames_missed: r(&c.frames_missed),
             quota_refusals: r(&c.quota_refusals),
             not_authorized: r(&c.not_authorized),
         }

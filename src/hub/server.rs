@@ -12,12 +12,13 @@
 //! device that pipelines publishes gets them sequenced in the order it sent
 //! them, and many of them share one flush.
 
+use super::stream::StreamState;
 use super::{HubShared, Session};
 use crate::transport::ws_config;
 use crate::transport::BoxStream;
 use crate::wire::{
-    auth_message, Auth, AuthOk, Challenge, ClientFrame, DecodeError, DeviceId, HubError, Request,
-    Response, ServerFrame, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
+    auth_message, Auth, AuthOk, Challenge, ClientFrame, DecodeError, DeviceId, FrameRef, HubError,
+    Request, Response, ServerFrame, TopicId, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
 };
 use ed25519_dalek::{Signature, VerifyingKey};
 use futures::{SinkExt, StreamExt};
@@ -30,8 +31,15 @@ use tokio_tungstenite::tungstenite::protocol::CloseFrame;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_util::sync::CancellationToken;
 
-/// Deliveries read from the store per page.
+/// Frames of one topic read from the store per page.
 const PUMP_PAGE: usize = 256;
+/// Frames a receive stream pushes before the device acknowledges them; then
+/// it waits for acknowledgements.
+const STREAM_WINDOW: usize = 4096;
+/// How long after an acknowledgement a stream saves its cursors: acks of
+/// one burst share one store write per topic. A cursor saved late only
+/// means frames pushed again after a crash, which devices deduplicate.
+const CURSOR_SAVE_DELAY: Duration = Duration::from_millis(100);
 /// Frames queued for one connection's socket before writers wait.
 const OUTBOX_FRAMES: usize = 256;
 /// How long a refused connection may take to receive its close reason
@@ -430,7 +438,7 @@ impl Conn {
         id: u64,
         gen: u64,
         response: Response,
-        wake: Vec<DeviceId>,
+        wake: Option<(Vec<DeviceId>, TopicId, u64)>,
     ) {
         let Ok(permit) = self.in_flight.clone().acquire_owned().await else {
             return;
@@ -439,8 +447,8 @@ impl Conn {
         let tx = self.tx.clone();
         self.shared.tasks.spawn(async move {
             let result = shared.core.durable(gen).await.map(|()| response);
-            if result.is_ok() && !wake.is_empty() {
-                shared.wake(&wake);
+            if let (true, Some((devices, topic, seq))) = (result.is_ok(), wake) {
+                shared.wake(&devices, &topic, seq);
             }
             let _ = tx.send(binary(&ServerFrame::Response { id, result })).await;
             drop(permit);
@@ -451,17 +459,24 @@ impl Conn {
         let core = &self.shared.core;
         let d = self.device;
         match op {
-            Request::Publish(p) => match core.publish(d, p).await {
-                Ok(r) => {
-                    let out = Response::Published(r.value.outcome);
-                    // Streams of subscribers whose delivery was dropped are
-                    // woken too, to report it.
-                    let mut wake = r.value.recipients;
-                    wake.extend(r.value.dropped_for);
-                    self.respond_when_durable(id, r.gen, out, wake).await;
+            Request::Publish(p) => {
+                let topic = p.topic.clone();
+                match core.publish(d, p).await {
+                    Ok(r) => {
+                        let wake = match r.value.outcome {
+                            crate::wire::PublishOutcome::Accepted { seq, .. }
+                                if !r.value.recipients.is_empty() =>
+                            {
+                                Some((r.value.recipients, topic, seq))
+                            }
+                            _ => None,
+                        };
+                        let out = Response::Published(r.value.outcome);
+                        self.respond_when_durable(id, r.gen, out, wake).await;
+                    }
+                    Err(e) => self.respond(id, Err(e)).await,
                 }
-                Err(e) => self.respond(id, Err(e)).await,
-            },
+            }
             Request::Fetch {
                 topic,
                 after,
@@ -487,34 +502,55 @@ impl Conn {
                 retention_secs,
             } => match core.subscribe(d, &topic, retention_secs).await {
                 Ok(r) => {
-                    self.respond_when_durable(id, r.gen, Response::Subscribed, vec![])
+                    // A running stream learns of the topic and loads its
+                    // cursor (a no-op when it follows the topic already).
+                    if let Some(stream) = self.shared.stream_of(d) {
+                        stream.woken(&topic, 0);
+                    }
+                    self.respond_when_durable(id, r.gen, Response::Subscribed, None)
                         .await
                 }
                 Err(e) => self.respond(id, Err(e)).await,
             },
             Request::Unsubscribe { topic } => match core.unsubscribe(d, &topic).await {
                 Ok(r) => {
+                    if let Some(stream) = self.shared.stream_of(d) {
+                        if topic.mailbox_owner() != Some(d) {
+                            stream.forget(&topic);
+                        }
+                    }
                     let out = Response::Unsubscribed { existed: r.value };
-                    self.respond_when_durable(id, r.gen, out, vec![]).await;
+                    self.respond_when_durable(id, r.gen, out, None).await;
                 }
                 Err(e) => self.respond(id, Err(e)).await,
             },
-            Request::Ack { ids } => match core.ack(d, &ids).await {
-                // An ack lost in a crash only means a redelivery, which
-                // devices deduplicate: answer without waiting for the flush.
-                Ok(r) => {
-                    self.respond(id, Ok(Response::Acked { removed: r.value }))
-                        .await
-                }
-                Err(e) => self.respond(id, Err(e)).await,
-            },
+            Request::Ack { frames } => {
+                let max = self.shared.config.limits.max_acks;
+                let result = if frames.len() > max {
+                    Err(HubError::TooManyAcks {
+                        count: frames.len() as u64,
+                        max: max as u64,
+                    })
+                } else {
+                    // In memory: the stream saves the cursors the acks move
+                    // a moment later, in one write per topic. An ack lost in
+                    // a crash only means a frame pushed again, which devices
+                    // deduplicate.
+                    let removed = match self.shared.stream_of(d) {
+                        Some(stream) => stream.ack(&frames),
+                        None => 0,
+                    };
+                    Ok(Response::Acked { removed })
+                };
+                self.respond(id, result).await
+            }
             Request::UploadKeyPackages {
                 packages,
                 last_resort,
             } => match core.upload_key_packages(d, &packages, last_resort).await {
                 Ok(r) => {
                     let out = Response::KeyPackagesStored { pool: r.value };
-                    self.respond_when_durable(id, r.gen, out, vec![]).await;
+                    self.respond_when_durable(id, r.gen, out, None).await;
                 }
                 Err(e) => self.respond(id, Err(e)).await,
             },
@@ -524,14 +560,14 @@ impl Conn {
             } => match core.replace_key_packages(d, &packages, last_resort).await {
                 Ok(r) => {
                     let out = Response::KeyPackagesStored { pool: r.value };
-                    self.respond_when_durable(id, r.gen, out, vec![]).await;
+                    self.respond_when_durable(id, r.gen, out, None).await;
                 }
                 Err(e) => self.respond(id, Err(e)).await,
             },
             Request::ListKeyPackages => match core.key_package_digests(d).await {
                 Ok(r) => {
                     let out = Response::KeyPackageDigests { digests: r.value };
-                    self.respond_when_durable(id, r.gen, out, vec![]).await;
+                    self.respond_when_durable(id, r.gen, out, None).await;
                 }
                 Err(e) => self.respond(id, Err(e)).await,
             },
@@ -542,7 +578,7 @@ impl Conn {
                         package,
                         last_resort,
                     };
-                    self.respond_when_durable(id, r.gen, out, vec![]).await;
+                    self.respond_when_durable(id, r.gen, out, None).await;
                 }
                 Err(e) => self.respond(id, Err(e)).await,
             },
@@ -550,11 +586,11 @@ impl Conn {
                 Ok(r) => {
                     let (pool, last_resort) = r.value;
                     let out = Response::KeyPackageStatus { pool, last_resort };
-                    self.respond_when_durable(id, r.gen, out, vec![]).await;
+                    self.respond_when_durable(id, r.gen, out, None).await;
                 }
                 Err(e) => self.respond(id, Err(e)).await,
             },
-            Request::Receive { after } => self.start_receive(id, after).await,
+            Request::Receive => self.start_receive(id).await,
             Request::Ping => {
                 let now = self.shared.clock.now_ms();
                 self.respond(
@@ -569,12 +605,8 @@ impl Conn {
     }
 
     /// Replace this device's receive stream with one on this connection.
-    async fn start_receive(&self, id: u64, after: u64) {
-        let last_id = match self.shared.core.last_delivery_id(self.device).await {
-            Ok(last) => last,
-            Err(e) => return self.respond(id, Err(e)).await,
-        };
-        let wake = Arc::new(Notify::new());
+    async fn start_receive(&self, id: u64) {
+        let stream = Arc::new(Stream::default());
         let cancel = self.shared.shutdown.child_token();
         let old = {
             let mut sessions = self
@@ -586,7 +618,7 @@ impl Conn {
                 self.device,
                 Session {
                     conn: self.conn,
-                    wake: wake.clone(),
+                    stream: stream.clone(),
                     cancel: cancel.clone(),
                 },
             )
@@ -596,82 +628,219 @@ impl Conn {
         }
         // The answer is queued before the pump starts, so it precedes every
         // delivery on the socket.
-        self.respond(id, Ok(Response::ReceiveStarted { last_id }))
-            .await;
+        self.respond(id, Ok(Response::ReceiveStarted)).await;
         let shared = self.shared.clone();
         let tx = self.tx.clone();
         let device = self.device;
         self.shared
             .tasks
-            .spawn(pump(shared, device, after, tx, wake, cancel));
+            .spawn(pump(shared, device, stream, tx, cancel));
     }
 }
 
-/// Push a device's deliveries from the store as they become durable. Reads
-/// at its own pace, so a slow device never holds up publishers: it falls
-/// behind in the store, not in memory.
+/// A receive stream's state, shared by its pump (which reads and pushes),
+/// the connection's reader (acknowledgements) and publishes (wakes).
+#[derive(Default)]
+pub(crate) struct Stream {
+    state: std::sync::Mutex<StreamState>,
+    /// Frames to read, or topics to load.
+    wake: Notify,
+    /// Acknowledgements came: cursors to save, room in the window.
+    acked: Notify,
+}
+
+impl Stream {
+    fn state(&self) -> std::sync::MutexGuard<'_, StreamState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Frame `seq` of `topic` is durable (0: the device subscribed to it).
+    pub(crate) fn woken(&self, topic: &TopicId, seq: u64) {
+        self.state().woken(topic, seq);
+        self.wake.notify_one();
+    }
+
+    /// Stop pushing `topic`.
+    fn forget(&self, topic: &TopicId) {
+        self.state().forget(topic);
+    }
+
+    /// The device acknowledged `frames`: answers how many were pushed on
+    /// this stream and not acknowledged before.
+    fn ack(&self, frames: &[FrameRef]) -> u32 {
+        let removed = {
+            let mut st = self.state();
+            frames.iter().filter(|f| st.acked(&f.topic, f.seq)).count() as u32
+        };
+        if removed > 0 {
+            self.acked.notify_one();
+        }
+        removed
+    }
+}
+
+impl HubShared {
+    /// The receive stream `device` has open, if any.
+    fn stream_of(&self, device: DeviceId) -> Option<Arc<Stream>> {
+        let sessions = self.sessions.lock().unwrap_or_else(|p| p.into_inner());
+        sessions.get(&device).map(|s| s.stream.clone())
+    }
+}
+
+/// Run a device's receive stream until it is replaced, its connection goes
+/// or the store fails, then save its cursors. A stream starts only once the
+/// one it replaces saved its own, so acknowledged frames are not pushed
+/// again.
 async fn pump(
     shared: Arc<HubShared>,
     device: DeviceId,
-    mut cursor: u64,
+    stream: Arc<Stream>,
     tx: mpsc::Sender<Message>,
-    wake: Arc<Notify>,
     cancel: CancellationToken,
 ) {
-    loop {
-        if cancel.is_cancelled() {
-            break;
-        }
-        let page = tokio::select! {
-            _ = cancel.cancelled() => break,
-            p = shared.core.deliveries(device, cursor, PUMP_PAGE) => p,
-        };
-        let page = match page {
-            Ok(p) => p,
-            Err(e) => {
-                let _ = tx.send(binary(&ServerFrame::ReceiveEnded(e))).await;
-                return;
-            }
-        };
-        for d in page.deliveries {
-            let frame = binary(&ServerFrame::Deliver(d));
-            tokio::select! {
-                _ = cancel.cancelled() => break,
-                r = tx.send(frame) => if r.is_err() { return },
-            }
-            shared.counters.pushed.fetch_add(1, Ordering::Relaxed);
-        }
-        cursor = page.scanned_through;
-        if let Some((after_id, count)) = page.dropped {
-            // Reported once: the count is taken off only after the notice
-            // is queued on this connection.
-            let notice = ServerFrame::Error(HubError::DeliveriesDropped { after_id, count });
-            tokio::select! {
-                biased;
-                _ = cancel.cancelled() => break,
-                r = tx.send(binary(&notice)) => if r.is_err() { return },
-            }
-            if let Err(e) = shared.core.clear_dropped(device, count).await {
-                let _ = tx.send(binary(&ServerFrame::ReceiveEnded(e))).await;
-                return;
-            }
-        }
-        if page.more {
-            continue;
-        }
-        tokio::select! {
-            _ = wake.notified() => {}
-            _ = cancel.cancelled() => break,
-            _ = tx.closed() => return,
+    let lock = shared.stream_lock(device);
+    let _running = tokio::select! {
+        g = lock.lock_owned() => g,
+        _ = cancel.cancelled() => return,
+    };
+    let ended = run_pump(&shared, device, &stream, &tx, &cancel).await;
+    if let Err(e) = save_cursors(&shared, device, &stream).await {
+        // Not lost: the frames behind the unsaved cursor are pushed again
+        // on the next stream.
+        tracing::warn!(error = %e, "receive stream: cursors not saved");
+    }
+    let reason = match ended {
+        Err(e) => e,
+        // Tell the device why its stream ended, unless the connection is
+        // going away anyway.
+        Ok(()) if shared.shutdown.is_cancelled() => return,
+        Ok(()) => HubError::ReceiveReplaced,
+    };
+    let _ = tx.send(binary(&ServerFrame::ReceiveEnded(reason))).await;
+}
+
+/// Save the cursors the device's acknowledgements moved.
+async fn save_cursors(
+    shared: &HubShared,
+    device: DeviceId,
+    stream: &Stream,
+) -> Result<(), HubError> {
+    let advances = stream.state().advances();
+    if advances.is_empty() {
+        return Ok(());
+    }
+    shared.core.save_cursors(device, &advances).await?;
+    let mut st = stream.state();
+    for (topic, cursor) in &advances {
+        st.saved(topic, *cursor);
+    }
+    Ok(())
+}
+
+/// Push a device's frames as they become durable: each followed topic is
+/// read from the store after the stream's position, a page at a time and
+/// topic after topic, so a slow device never holds up publishers: it falls
+/// behind in the store, not in memory. Returns `Ok` when cancelled or the
+/// connection went, `Err` when the store failed.
+async fn run_pump(
+    shared: &HubShared,
+    device: DeviceId,
+    stream: &Stream,
+    tx: &mpsc::Sender<Message>,
+    cancel: &CancellationToken,
+) -> Result<(), HubError> {
+    let starts = tokio::select! {
+        _ = cancel.cancelled() => return Ok(()),
+        s = shared.core.stream_start(device) => s?,
+    };
+    {
+        let mut st = stream.state();
+        for start in starts {
+            st.load(start);
         }
     }
-    // Tell the device why its stream ended, unless the connection is going
-    // away anyway.
-    if !shared.shutdown.is_cancelled() {
-        let _ = tx
-            .send(binary(&ServerFrame::ReceiveEnded(
-                HubError::ReceiveReplaced,
-            )))
-            .await;
+    let mut save_at: Option<tokio::time::Instant> = None;
+    loop {
+        let unknown = stream.state().take_unknown();
+        for topic in unknown {
+            let start = tokio::select! {
+                _ = cancel.cancelled() => return Ok(()),
+                s = shared.core.topic_start(device, &topic) => s?,
+            };
+            if let Some(start) = start {
+                stream.state().load(start);
+            }
+        }
+        let mut last: Option<TopicId> = None;
+        loop {
+            let next = {
+                let st = stream.state();
+                if st.unacked() >= STREAM_WINDOW {
+                    break;
+                }
+                st.next_read(last.as_ref())
+            };
+            let Some(r) = next else { break };
+            let page = tokio::select! {
+                _ = cancel.cancelled() => return Ok(()),
+                p = shared.core.stream_page(device, &r.topic, r.after, r.through, r.max_age_ms, PUMP_PAGE) => p?,
+            };
+            if let Some((after_seq, through_seq)) = page.missed {
+                let notice = ServerFrame::Error(HubError::FramesMissed {
+                    topic: r.topic.clone(),
+                    after_seq,
+                    through_seq,
+                });
+                tokio::select! {
+                    _ = cancel.cancelled() => return Ok(()),
+                    sent = tx.send(binary(&notice)) => if sent.is_err() { return Ok(()) },
+                }
+            }
+            for d in page.frames {
+                let seq = d.seq;
+                let frame = binary(&ServerFrame::Deliver(d));
+                // Counted as pushed before it is sent, so that an ack racing
+                // the send finds it.
+                if !stream.state().follows(&r.topic) {
+                    break;
+                }
+                stream.state().pushed(&r.topic, seq);
+                tokio::select! {
+                    _ = cancel.cancelled() => return Ok(()),
+                    sent = tx.send(frame) => if sent.is_err() { return Ok(()) },
+                }
+                shared.counters.pushed.fetch_add(1, Ordering::Relaxed);
+            }
+            stream.state().scanned(&r.topic, page.scanned_through);
+            last = Some(r.topic);
+        }
+        if !stream.state().advances().is_empty() {
+            let due =
+                *save_at.get_or_insert_with(|| tokio::time::Instant::now() + CURSOR_SAVE_DELAY);
+            if tokio::time::Instant::now() >= due {
+                save_cursors(shared, device, stream).await?;
+                save_at = None;
+            }
+        }
+        let more = {
+            let st = stream.state();
+            st.unacked() < STREAM_WINDOW && st.next_read(None).is_some()
+        };
+        if more {
+            continue;
+        }
+        let sleep = async {
+            match save_at {
+                Some(at) => tokio::time::sleep_until(at).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            _ = stream.wake.notified() => {}
+            _ = stream.acked.notified() => {}
+            _ = sleep => {}
+            _ = cancel.cancelled() => return Ok(()),
+            _ = tx.closed() => return Ok(()),
+        }
     }
 }
