@@ -814,7 +814,12 @@ async fn run_pump(
             stream.state().scanned(&r.topic, page.scanned_through);
             last = Some(r.topic);
         }
-        if !stream.state().advances().is_empty() {
+        if stream.state().advances().is_empty() {
+            // Nothing to save (a topic forgotten since took its advance
+            // with it): no timer, or a past one would wake this loop
+            // forever.
+            save_at = None;
+        } else {
             let due =
                 *save_at.get_or_insert_with(|| tokio::time::Instant::now() + CURSOR_SAVE_DELAY);
             if tokio::time::Instant::now() >= due {
