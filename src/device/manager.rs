@@ -14,7 +14,7 @@ use super::identity::DeviceIdentity;
 use super::inbox::{Inbox, InboxConfig};
 use super::lane::LOOPBACK_HUB;
 use super::ledger::HlcClock;
-use super::link::{HubLink, LinkConfig, LinkError};
+use super::link::{HubLink, LinkConfig, LinkError, LinkStatus};
 use super::outbox::{Outbox, OutboxSink, SendFailure};
 use super::records::{GroupId, GroupRecord, Records, UploadedKeyPackage};
 use super::registry::Registry;
@@ -589,6 +589,30 @@ impl GroupPeerManager {
                 }
             }
         });
+        // After a reconnect, read every group's log there once: the hub
+        // pushes only frames after the cursors it holds, and a hub restored
+        // from an older copy (same identity) holds cursors and logs from
+        // before; reading the logs is how the device sees that they went
+        // back (its heads against the hub's), not only when a new frame
+        // happens to be pushed.
+        let me = self.clone();
+        let stop = self.shared.shutdown.clone();
+        let mut status = link.status();
+        let url = link.url().to_string();
+        self.shared.tasks.spawn(async move {
+            let mut was_up = false;
+            loop {
+                let up = matches!(*status.borrow_and_update(), LinkStatus::Connected);
+                if up && !was_up {
+                    me.pull_groups_on(&url);
+                }
+                was_up = up;
+                tokio::select! {
+                    _ = stop.cancelled() => break,
+                    r = status.changed() => if r.is_err() { break },
+                }
+            }
+        });
         let me = self.clone();
         let stop = self.shared.shutdown.clone();
         let topic = topics::welcome_topic(&self.shared.identity.id());
@@ -621,6 +645,38 @@ impl GroupPeerManager {
                 }
             }
         });
+    }
+
+    /// Pull, each on a task of its own, every group that reads a log on
+    /// `url` (bound there, or holding a cursor there).
+    fn pull_groups_on(&self, url: &str) {
+        let names: Vec<&str> = if url == self.shared.loopback_url {
+            vec![url, LOOPBACK_HUB]
+        } else {
+            vec![url]
+        };
+        let groups = match self.shared.records.groups() {
+            Ok(g) => g,
+            Err(e) => {
+                tracing::warn!(hub = url, error = %e, "reading groups after a reconnect failed");
+                return;
+            }
+        };
+        for rec in groups {
+            let here = names
+                .iter()
+                .any(|n| rec.cursors.contains_key(*n) || rec.hubs.iter().any(|h| h == n));
+            if !here {
+                continue;
+            }
+            let me = self.clone();
+            let group = rec.id;
+            self.shared.tasks.spawn(async move {
+                if let Err(e) = me.pull(group).await {
+                    tracing::debug!(%group, error = %e, "pull after a reconnect failed; the periodic pull tries again");
+                }
+            });
+        }
     }
 
     /// A connection to `url` reported the hub's store identity. A new
