@@ -699,16 +699,20 @@ async fn pump(
     cancel: CancellationToken,
 ) {
     let lock = shared.stream_lock(device);
-    let _running = tokio::select! {
-        g = lock.lock_owned() => g,
-        _ = cancel.cancelled() => return,
+    let ended = tokio::select! {
+        running = lock.lock_owned() => {
+            let ended = run_pump(&shared, device, &stream, &tx, &cancel).await;
+            if let Err(e) = save_cursors(&shared, device, &stream).await {
+                // Not lost: the frames behind the unsaved cursor are pushed
+                // again on the next stream.
+                tracing::warn!(error = %e, "receive stream: cursors not saved");
+            }
+            drop(running);
+            ended
+        }
+        // Replaced before it started: it still tells its device so.
+        _ = cancel.cancelled() => Ok(()),
     };
-    let ended = run_pump(&shared, device, &stream, &tx, &cancel).await;
-    if let Err(e) = save_cursors(&shared, device, &stream).await {
-        // Not lost: the frames behind the unsaved cursor are pushed again
-        // on the next stream.
-        tracing::warn!(error = %e, "receive stream: cursors not saved");
-    }
     let reason = match ended {
         Err(e) => e,
         // Tell the device why its stream ended, unless the connection is
