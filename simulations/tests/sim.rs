@@ -339,11 +339,14 @@ fn outage_removed_device_refused_by_every_member_forgets_the_group() {
 /// the lost branch, had sent a message there that only dev3 (on the same
 /// branch) could read. dev2 rejoined, but the message never reached dev4
 /// or dev1. Now a rejoin sends the lost branch's messages again under
-/// their ids.
+/// their ids. Since a device reads its logs on every reconnect (protocol
+/// version 4), dev4 sees the restore before it commits and no branch is
+/// lost in this seed any more; the seed stays pinned for its invariants,
+/// and the lost-branch resend is shown by the lane test
+/// `the_loser_of_a_fork_rejoins_and_its_lost_entry_and_message_are_issued_again_once`.
 #[test]
 fn all_faults_message_of_a_lost_branch_is_sent_again() {
-    let r = holds_with_all_faults(162);
-    assert!(r["rejoins"].as_u64() >= Some(1), "seed 162 rejoined: {r}");
+    holds_with_all_faults(162);
 }
 
 /// Seed 351: hub1 was restored from a copy whose commit log began, after
