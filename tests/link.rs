@@ -677,10 +677,17 @@ async fn an_ack_answered_before_a_hub_crash_is_kept() {
 async fn deliveries_beyond_the_buffer_come_back_by_a_resync() {
     // More deliveries for a topic without a route than the link buffers:
     // the overflow is dropped unacked and fetched again once the topic is
-    // subscribed, by a reconnect.
+    // subscribed, by a reconnect. Nothing failed, so that reconnect does not
+    // wait out a backoff: with a minute's backoff, everything still arrives
+    // within the test's wait.
     let hub = TestHub::start_with(unthrottled).await.unwrap();
     subscribed_earlier(&hub, "late").await;
-    let l = link(hub.url(), 1, fast());
+    let config = LinkConfig {
+        backoff_base: Duration::from_secs(60),
+        backoff_max: Duration::from_secs(60),
+        ..fast()
+    };
+    let l = link(hub.url(), 1, config);
     let statuses = record(&l);
     let mut marker = l.subscribe(TopicId::from("marker"), None);
     assert!(l.wait_connected(WAIT).await);
@@ -709,7 +716,7 @@ async fn deliveries_beyond_the_buffer_come_back_by_a_resync() {
     }
     let seen = statuses.lock().unwrap().clone();
     assert!(
-        seen.iter().any(|s| matches!(s, LinkStatus::Reconnecting { last_error, .. } if last_error.contains("resynchronising"))),
+        seen.iter().any(|s| matches!(s, LinkStatus::Reconnecting { last_error, retry_in, .. } if last_error.contains("resynchronising") && retry_in.is_zero())),
         "{seen:?}"
     );
     l.stop().await;

@@ -45,10 +45,11 @@
 //! wait in per-topic queues holding [`BUFFER_CAPACITY`] deliveries in all;
 //! a topic's queue is handed over in order when the topic is subscribed or
 //! its receiver has room. Beyond that deliveries are dropped, not acked, and
-//! the link resynchronises (reconnects, so the hub pushes every unacked
-//! delivery again) once the dropping topic's queue has drained or every
-//! queue is empty. Routing never blocks: a slow consumer costs memory up to
-//! these bounds and then a resync, never a stalled connection.
+//! the link resynchronises (reconnects at once, without a backoff wait, so
+//! the hub pushes every unacked delivery again) once the dropping topic's
+//! queue has drained or every queue is empty. Routing never blocks: a slow
+//! consumer costs memory up to these bounds and then a resync, never a
+//! stalled connection.
 //!
 //! # Delivery promise
 //! At least once, in hub order per topic. A delivery can come twice (after
@@ -744,6 +745,10 @@ impl Shared {
 enum SessionEnd {
     Cancelled,
     Lost(String),
+    /// Deliveries were dropped because the buffer was full: reconnect at
+    /// once, without a backoff wait (nothing failed; the new stream pushes
+    /// every unacknowledged frame again).
+    Resync(String),
 }
 
 async fn maybe<F: Future + Unpin>(f: &mut Option<F>) -> F::Output {
@@ -758,8 +763,16 @@ async fn run(shared: Arc<Shared>) {
     let mut backoff = ReconnectBackoff::from_config(&shared.config, shared.rng.clone());
     let mut attempt: u32 = 0;
     let mut failure: Option<String> = None;
+    let mut resync: Option<String> = None;
     loop {
-        if let Some(error) = failure.take() {
+        if let Some(reason) = resync.take() {
+            attempt = attempt.saturating_add(1);
+            shared.set_status(LinkStatus::Reconnecting {
+                attempt,
+                retry_in: Duration::ZERO,
+                last_error: reason,
+            });
+        } else if let Some(error) = failure.take() {
             attempt = attempt.saturating_add(1);
             let delay = backoff.next_delay();
             let retry = shared.retry.notified();
@@ -810,6 +823,10 @@ async fn run(shared: Arc<Shared>) {
                 tracing::info!(%reason, "hub link lost");
                 failure = Some(reason);
             }
+            SessionEnd::Resync(reason) => {
+                tracing::debug!(%reason, "hub link reconnecting to resynchronise");
+                resync = Some(reason);
+            }
         }
     }
     shared.finish();
@@ -852,7 +869,7 @@ async fn session(
     let mut ping: Option<BoxFuture<'static, Result<u64, ClientError>>> = None;
     loop {
         if lock(&shared.state).needs_resync() {
-            return SessionEnd::Lost(
+            return SessionEnd::Resync(
                 "resynchronising deliveries that did not fit the buffer".into(),
             );
         }
