@@ -223,7 +223,7 @@ impl TestHub {
         let temp = Arc::new(tempfile::tempdir()?);
         let dir = temp.path().to_path_buf();
         let tls = Some((cert, handshake_timeout));
-        let mut hub = Self::start_inner(&dir, "127.0.0.1:0", tls, configure).await?;
+        let mut hub = Self::start_inner(&dir, "127.0.0.1:0", tls, None, configure).await?;
         hub._temp = Some(temp);
         Ok(hub)
     }
@@ -238,13 +238,30 @@ impl TestHub {
         addr: &str,
         configure: impl FnOnce(&mut HubConfig),
     ) -> io::Result<TestHub> {
-        Self::start_inner(dir, addr, None, configure).await
+        Self::start_inner(dir, addr, None, None, configure).await
+    }
+
+    /// Like [`TestHub::start_with`], with the hub's sled store seen through
+    /// `wrap` (a [`FaultySwitch`], say, to make its writes fail on demand).
+    ///
+    /// # Errors
+    /// When no port or directory can be had.
+    pub async fn start_wrapped(
+        wrap: StoreWrap,
+        configure: impl FnOnce(&mut HubConfig),
+    ) -> io::Result<TestHub> {
+        let temp = Arc::new(tempfile::tempdir()?);
+        let dir = temp.path().to_path_buf();
+        let mut hub = Self::start_inner(&dir, "127.0.0.1:0", None, Some(wrap), configure).await?;
+        hub._temp = Some(temp);
+        Ok(hub)
     }
 
     async fn start_inner(
         dir: &Path,
         addr: &str,
         tls: Option<(&TestCert, Duration)>,
+        wrap: Option<StoreWrap>,
         configure: impl FnOnce(&mut HubConfig),
     ) -> io::Result<TestHub> {
         let listener = TcpAcceptor::bind(addr).await?;
@@ -254,7 +271,10 @@ impl TestHub {
         let mut config = HubConfig::new(url.clone());
         configure(&mut config);
         config.url = url.clone();
-        let store: Arc<dyn KvStore> = Arc::new(open_sled(dir).await?);
+        let mut store: Arc<dyn KvStore> = Arc::new(open_sled(dir).await?);
+        if let Some(wrap) = wrap {
+            store = wrap(store);
+        }
         let hub = Hub::start(store, config, Clock::System, SharedRng::from_entropy())
             .map_err(io::Error::other)?;
         let (tls, connector) = match tls {

@@ -778,3 +778,26 @@ async fn every_event_subscription_gets_the_same_events_from_when_it_subscribed()
     let end = tokio::time::timeout(WAIT, async { while second.next().await.is_some() {} }).await;
     assert!(end.is_ok(), "the stream did not end with the device");
 }
+
+/// A pull that fails (here: the hub unreachable) is counted where the app
+/// sees it, not only logged: most pulls run in the background.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_pull_is_counted_in_the_device_stats() {
+    let hubs = hubs(1).await;
+    let u = urls(&hubs);
+    let a = TestDevice::open(&u).await.unwrap();
+    let switch = Switch::default();
+    let mut ob = hubsync::testkit::device_options(&u);
+    ob.connector = std::sync::Arc::new(switch.clone());
+    let mut b = TestDevice::open_with(ob).await.unwrap();
+    let mut ib = Inbox::new(&b);
+    let g = group_of(&a, &mut [(&b, &mut ib)], &u).await;
+    converge(&[&a, &b], g).await;
+    b.close().await;
+    switch.cut.store(true, std::sync::atomic::Ordering::SeqCst);
+    b.reopen().await.unwrap();
+    let before = b.stats().pull_failures;
+    let r = b.manager().pull(g).await;
+    assert!(r.is_err(), "the hub is out of reach: {r:?}");
+    assert!(b.stats().pull_failures > before);
+}

@@ -5,7 +5,7 @@ mod common;
 use common::*;
 use hubsync::client::{ClientError, ClientOptions, HubClient, Push};
 use hubsync::hub::{Limits, Rate};
-use hubsync::testkit::{signing_key, TestHub};
+use hubsync::testkit::{signing_key, FaultyKv, TestHub};
 use hubsync::transport::TcpConnector;
 use hubsync::wire::{
     Challenge, ClientFrame, ExpectedHead, FrameRef, HubError, PublishOutcome, Request,
@@ -830,6 +830,58 @@ async fn receive_resumes_after_what_was_acknowledged() {
     }
     assert_eq!(resumed, vec![7, 8, 9, 10]);
     no_push(&mut rx2).await;
+}
+
+#[tokio::test]
+async fn a_cursor_the_store_cannot_save_is_counted_and_its_frames_come_again() {
+    // The device acknowledges while the hub's store refuses writes: the
+    // stream ends with a named error, the failed saves are counted for the
+    // operator, and once the store writes again a new stream pushes the
+    // acknowledged frames again (nothing lost; devices deduplicate).
+    let faulty = FaultyKv::switch();
+    let hub = TestHub::start_wrapped(faulty.store_wrap(), unthrottled)
+        .await
+        .unwrap();
+    let a = hub.client(&signing_key(1)).await.unwrap();
+    let key = signing_key(2);
+    let b = hub.client(&key).await.unwrap();
+    b.subscribe(&TopicId::from("c"), None).await.unwrap();
+    for i in 0..3u64 {
+        a.publish(log("c", i, ExpectedHead::Unconditional, &[i as u8]))
+            .await
+            .unwrap();
+    }
+    let mut rx = b.take_pushes().unwrap();
+    b.receive().await.unwrap();
+    let mut frames = Vec::new();
+    for _ in 0..3 {
+        match next_push(&mut rx).await {
+            Some(Push::Delivery(d)) => frames.push(d.frame_ref()),
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(hub.hub().metrics().cursor_save_failures, 0);
+    faulty.fail(true);
+    assert_eq!(b.ack(frames).await.unwrap(), 3);
+    match next_push(&mut rx).await {
+        Some(Push::ReceiveEnded(HubError::Internal { .. })) => {}
+        other => panic!("expected the stream to end on the store failure: {other:?}"),
+    }
+    assert!(faulty.refused() > 0);
+    assert!(hub.hub().metrics().cursor_save_failures >= 1);
+
+    faulty.fail(false);
+    let b2 = hub.client(&key).await.unwrap();
+    let mut rx2 = b2.take_pushes().unwrap();
+    b2.receive().await.unwrap();
+    let mut again = Vec::new();
+    for _ in 0..3 {
+        match next_push(&mut rx2).await {
+            Some(Push::Delivery(d)) => again.push(d.seq),
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(again, vec![1, 2, 3]);
 }
 
 #[tokio::test]

@@ -146,6 +146,11 @@ pub struct DeviceStats {
     /// Times a hub held key packages this device no longer had the keys
     /// of (restored from a backup) and its pool there was replaced.
     pub key_packages_replaced: u64,
+    /// Reads of a group's commit log that failed (a hub or store error);
+    /// those in the background (after a reconnect, on a push, on the
+    /// periodic tick) are retried by the next. A steady rise means a hub
+    /// this device cannot read from.
+    pub pull_failures: u64,
 }
 
 #[derive(Default)]
@@ -159,6 +164,7 @@ pub(super) struct Counters {
     pub inbox_trimmed: AtomicU64,
     pub control_failures: AtomicU64,
     pub key_packages_replaced: AtomicU64,
+    pub pull_failures: AtomicU64,
 }
 
 /// The topics a group's peers read.
@@ -480,6 +486,7 @@ impl GroupPeerManager {
             inbox_trimmed: r(&c.inbox_trimmed),
             control_failures: r(&c.control_failures),
             key_packages_replaced: r(&c.key_packages_replaced),
+            pull_failures: r(&c.pull_failures),
             outbox_owed: self.shared.outbox.owed(),
         }
     }
@@ -658,6 +665,10 @@ impl GroupPeerManager {
         let groups = match self.shared.records.groups() {
             Ok(g) => g,
             Err(e) => {
+                self.shared
+                    .counters
+                    .pull_failures
+                    .fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(hub = url, error = %e, "reading groups after a reconnect failed");
                 return;
             }

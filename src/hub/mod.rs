@@ -164,10 +164,15 @@ pub struct HubMetrics {
     pub quota_refusals: u64,
     /// Requests refused as `NotAuthorized`.
     pub not_authorized: u64,
+    /// Times a receive stream could not save the cursors its device's acks
+    /// moved (a store failure). Nothing is lost: the frames behind an
+    /// unsaved cursor are pushed again on the device's next stream.
+    pub cursor_save_failures: u64,
 }
 
 #[derive(Default)]
 struct ServerCounters {
+    cursor_save_failures: AtomicU64,
     connections: AtomicU64,
     open: AtomicU64,
     auth_failures: AtomicU64,
@@ -393,6 +398,7 @@ impl Hub {
             frames_missed: r(&c.frames_missed),
             quota_refusals: r(&c.quota_refusals),
             not_authorized: r(&c.not_authorized),
+            cursor_save_failures: r(&s.cursor_save_failures),
         }
     }
 

@@ -733,7 +733,15 @@ async fn save_cursors(
     if advances.is_empty() {
         return Ok(());
     }
-    shared.core.save_cursors(device, &advances).await?;
+    if let Err(e) = shared.core.save_cursors(device, &advances).await {
+        // Counted where an operator sees it: a store that cannot save
+        // cursors makes every device receive its frames again.
+        shared
+            .counters
+            .cursor_save_failures
+            .fetch_add(1, Ordering::Relaxed);
+        return Err(e);
+    }
     let mut st = stream.state();
     for (topic, cursor) in &advances {
         st.saved(topic, *cursor);

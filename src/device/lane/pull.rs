@@ -163,8 +163,23 @@ impl GroupPeerManager {
     ///
     /// # Errors
     /// `UnknownGroup`, the hub's failure, or the store's.
+    ///
+    /// Every failure but `UnknownGroup` is also counted in
+    /// [`DeviceStats::pull_failures`](crate::device::DeviceStats): most
+    /// pulls run in the background (after a reconnect, on a push, on the
+    /// periodic tick), where the next one retries and nobody else sees
+    /// the error.
     pub async fn pull(&self, group: GroupId) -> Result<(), PullError> {
-        self.pull_inner(group, false).await.map(|_| ())
+        let result = self.pull_inner(group, false).await.map(|_| ());
+        if let Err(e) = &result {
+            if !e.is_unknown_group() {
+                self.shared
+                    .counters
+                    .pull_failures
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        result
     }
 
     /// The ledger this device holds for a group, folded by full replay.
