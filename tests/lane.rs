@@ -939,6 +939,49 @@ async fn a_hub_restarted_empty_is_noticed_and_the_group_carries_on() {
     assert_eq!(wa.stranded() + wb.stranded(), 0);
 }
 
+/// The hub lost its store (restarted on an empty one) while a Welcome sat
+/// in the mailbox of a joiner that was away, and the inviter had made more
+/// commits since than it keeps frames of: the inviter still posts that
+/// Welcome again when it notices the loss, and the joiner joins when it
+/// comes back. (The Welcome used to be kept only with the last few merged
+/// commits, and so was lost for good.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_welcome_the_hub_lost_is_posted_again_however_many_commits_came_since() {
+    let dir = tempfile::tempdir().unwrap();
+    let hub = hub_at(dir.path(), "127.0.0.1:0").await;
+    let addr = hub.addr().to_string();
+    let u = vec![hub.url().to_string()];
+    let a = TestDevice::open(&u).await.unwrap();
+    let mut c = TestDevice::open(&u).await.unwrap();
+    c.ready_for_invites(WAIT).await.unwrap();
+    let cid = c.id();
+    c.close().await;
+
+    let g = a.create_group(&u).await.unwrap();
+    invite_with_retry(&a, g, cid).await;
+    let kept = hubsync::device::records::PAYLOADS_KEPT;
+    for _ in 0..=kept {
+        a.rotate_keys(g).await.unwrap();
+    }
+    let wa = Watch::from_now(&a);
+    hub.stop().await;
+    let empty = tempfile::tempdir().unwrap();
+    let _hub = hub_at(empty.path(), &addr).await;
+    wa.until(
+        "the lost store noticed",
+        |ev| matches!(ev, Event::HubRewound { url } if *url == u[0]),
+    )
+    .await;
+
+    c.reopen().await.unwrap();
+    let wc = Watch::new(&c);
+    wc.until(
+        "the Welcome posted again",
+        |ev| matches!(ev, Event::GroupJoined { group, .. } if *group == g),
+    )
+    .await;
+}
+
 /// A hub restarted on an older copy of its own store (same store identity,
 /// heads gone back): members notice the head below their cursor, and the
 /// group commits and messages on through it.

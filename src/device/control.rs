@@ -569,10 +569,11 @@ impl GroupPeerManager {
     }
 
     /// Queue the Welcome of a landed invite for every hub of the group, in
-    /// the caller's batch (with the merge), and answer the publish (kept with
-    /// the merged commit, to post again to a hub that loses it). The envelope carries the
-    /// inviter's whole ledger (`ledger_entries`, including this commit's) sealed under the joiner's first epoch, which the guard's
-    /// group has just reached.
+    /// the caller's batch (with the merge), and keep the publish while the
+    /// joiner is a member ([`Records::put_invited_welcome`]), to post again
+    /// to a hub that loses it. The envelope carries the inviter's whole
+    /// ledger (`ledger_entries`, including this commit's) sealed under the
+    /// joiner's first epoch, which the guard's group has just reached.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn stage_welcome(
         &self,
@@ -583,7 +584,7 @@ impl GroupPeerManager {
         joiner: DeviceId,
         welcome: &[u8],
         ledger_entries: &[Entry],
-    ) -> Result<Publish, CommitError> {
+    ) -> Result<(), CommitError> {
         let me = &self.shared.identity;
         let crypto = self.shared.registry.provider().crypto();
         let key = guard
@@ -629,6 +630,22 @@ impl GroupPeerManager {
                 CommitError::Store(super::registry::RegistryError::Store(e.to_string()))
             })?;
         }
-        Ok(publish)
+        // One kept Welcome per current member at most: those of members
+        // gone since are forgotten here, at each invite, so the records of
+        // a group with churn stay bounded by its roster.
+        let members = self
+            .members_of(guard)
+            .map_err(|e| CommitError::Mls(e.to_string()))?;
+        for (former, _) in self.shared.records.invited_welcomes(&rec.id)? {
+            if !members.contains(&former) {
+                self.shared
+                    .records
+                    .delete_invited_welcome(b, &rec.id, &former);
+            }
+        }
+        self.shared
+            .records
+            .put_invited_welcome(b, &rec.id, &joiner, &publish);
+        Ok(())
     }
 }

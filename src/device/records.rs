@@ -6,7 +6,7 @@
 use super::lane::JournalEntry;
 use super::topics;
 use crate::kv::{KvError, KvStore, WriteBatch};
-use crate::wire::TopicId;
+use crate::wire::{DeviceId, TopicId};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -131,10 +131,6 @@ pub struct MergedCommit {
     /// change moves the group on only after it).
     #[serde(default)]
     pub commit_seed: Option<[u8; 32]>,
-    /// The Welcomes this device posted for the members the commit added
-    /// (one per joiner), so a hub that loses them can be given them again.
-    #[serde(default)]
-    pub welcomes: Vec<crate::wire::Publish>,
 }
 
 /// Merged commits remembered per group.
@@ -242,7 +238,6 @@ impl GroupRecord {
         let keep_from = self.merged.len().saturating_sub(PAYLOADS_KEPT);
         for k in &mut self.merged[..keep_from] {
             k.payload = Vec::new();
-            k.welcomes = Vec::new();
         }
     }
 
@@ -262,6 +257,7 @@ const LEDGER: &[u8] = b"eng/ledger/";
 const APP_CURSOR: &[u8] = b"eng/appcur/";
 const HUB_STORE: &[u8] = b"eng/hubstore/";
 const PENDING_WELCOME: &[u8] = b"eng/welcome-pending/";
+const INVITED: &[u8] = b"eng/invited/";
 const JOURNAL: &[u8] = b"eng/journal/";
 const INBOX: &[u8] = b"eng/inbox/";
 const MESSAGE: &[u8] = b"eng/msg/";
@@ -389,7 +385,7 @@ impl Records {
         batch.delete(key(GROUP, id, &[]));
         batch.delete(key(JOURNAL, id, &[]));
         batch.delete(key(SENT_PRUNED, id, &[]));
-        for prefix in [INBOX, MESSAGE, FUTURE, LEDGER, APP_CURSOR, SENT] {
+        for prefix in [INBOX, MESSAGE, FUTURE, LEDGER, APP_CURSOR, SENT, INVITED] {
             for (k, _) in self.kv.scan_prefix(&key(prefix, id, &[]), usize::MAX)? {
                 batch.delete(k);
             }
@@ -500,6 +496,58 @@ impl Records {
     /// Stage the end of a kept Welcome.
     pub fn clear_pending_welcome(&self, batch: &mut WriteBatch, group: &GroupId) {
         batch.delete(key(PENDING_WELCOME, group, &[]));
+    }
+
+    /// Stage the Welcome publish this device made for `joiner`, kept while
+    /// `joiner` is a member, so a hub that loses it (a store restored from
+    /// a backup, or lost) can be given it again however many commits came
+    /// since. One per joiner: a later invite replaces it.
+    pub fn put_invited_welcome(
+        &self,
+        batch: &mut WriteBatch,
+        group: &GroupId,
+        joiner: &DeviceId,
+        publish: &crate::wire::Publish,
+    ) {
+        batch.put(key(INVITED, group, &joiner.0), json(publish));
+    }
+
+    /// The Welcome publishes this device keeps for a group's joiners.
+    ///
+    /// # Errors
+    /// The store's error; an undecodable record is `Corrupt`.
+    pub fn invited_welcomes(
+        &self,
+        group: &GroupId,
+    ) -> Result<Vec<(DeviceId, crate::wire::Publish)>, KvError> {
+        let prefix = key(INVITED, group, &[]);
+        let mut out = Vec::new();
+        for (k, v) in self.kv.scan_prefix(&prefix, usize::MAX)? {
+            let joiner = k
+                .get(prefix.len()..)
+                .and_then(|b| <[u8; 32]>::try_from(b).ok())
+                .map(DeviceId)
+                .ok_or_else(|| KvError::Corrupt {
+                    key: hex::encode(&k),
+                    reason: "an invited-Welcome key ends in a 32-byte device id".into(),
+                })?;
+            let publish = serde_json::from_slice(&v).map_err(|e| KvError::Corrupt {
+                key: hex::encode(&k),
+                reason: e.to_string(),
+            })?;
+            out.push((joiner, publish));
+        }
+        Ok(out)
+    }
+
+    /// Stage forgetting the Welcome kept for `joiner` (no longer a member).
+    pub fn delete_invited_welcome(
+        &self,
+        batch: &mut WriteBatch,
+        group: &GroupId,
+        joiner: &DeviceId,
+    ) {
+        batch.delete(key(INVITED, group, &joiner.0));
     }
 
     /// The store identity last seen on `hub`, if any.

@@ -883,7 +883,6 @@ impl GroupPeerManager {
             seq: Some(seq),
             payload,
             commit_seed: Some(grant.commit_seed),
-            welcomes: Vec::new(),
         });
         rec.commit_seed = grant.commit_seed;
         rec.rotate_commit_seed(commit_seed);

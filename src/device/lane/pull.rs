@@ -732,16 +732,26 @@ impl GroupPeerManager {
         rec.rewind(hub);
         let mut b = WriteBatch::new();
         self.shared.records.reset_app_cursors(&mut b, &group, hub)?;
-        // Welcomes this device sent through that hub for its last invites
-        // may be gone with the store: post them again (the same publish id;
-        // a joiner that already joined ignores a repeat).
-        for k in &rec.merged {
-            for w in &k.welcomes {
+        // Welcomes this device sent through that hub may be gone with the
+        // store, and a joiner cut off from it until now never read them:
+        // post again each one whose joiner is still a member, however many
+        // commits ago it was invited (the same publish id; a joiner that
+        // already joined ignores a repeat, and one that joins from an old
+        // Welcome catches up or rejoins). Those of former members go.
+        let members = self
+            .members_of(&mut guard)
+            .map_err(|e| PullError::Store(RegistryError::Store(e.to_string())))?;
+        for (joiner, w) in self.shared.records.invited_welcomes(&group)? {
+            if !members.contains(&joiner) {
                 self.shared
-                    .outbox
-                    .stage(&mut b, hub, w)
-                    .map_err(|e| PullError::Store(RegistryError::Store(e.to_string())))?;
+                    .records
+                    .delete_invited_welcome(&mut b, &group, &joiner);
+                continue;
             }
+            self.shared
+                .outbox
+                .stage(&mut b, hub, &w)
+                .map_err(|e| PullError::Store(RegistryError::Store(e.to_string())))?;
         }
         self.shared.records.put_group(&mut b, &rec);
         guard.finish(b)?;
@@ -990,7 +1000,6 @@ impl GroupPeerManager {
                 seq: m.seq,
                 digest: digest(&m.payload),
                 payload: m.payload.clone(),
-                welcomes: Vec::new(),
                 entries: entries.iter().map(Entry::encode).collect(),
                 folded,
                 roster,
@@ -1159,12 +1168,11 @@ impl GroupPeerManager {
         guard.merge_pending()?;
         let mut b = WriteBatch::new();
         self.shared.records.clear_journal(&mut b, &rec.id);
-        let mut welcomes = Vec::new();
         if let Some((joiners, w)) = &j.welcome {
             let mut all = self.ledger_entries(rec.id)?;
             all.extend(j.entries.iter().filter_map(|e| Entry::decode(e).ok()));
             for joiner in joiners {
-                welcomes.push(self.stage_welcome(guard, &mut b, rec, seq, *joiner, w, &all)?);
+                self.stage_welcome(guard, &mut b, rec, seq, *joiner, w, &all)?;
             }
         }
         self.land_merged(
@@ -1176,7 +1184,6 @@ impl GroupPeerManager {
                 seq,
                 digest: digest(&j.payload),
                 payload: j.payload.clone(),
-                welcomes,
                 entries: j.entries.clone(),
                 folded: None,
                 roster: j.roster,
@@ -1225,7 +1232,6 @@ impl GroupPeerManager {
             seq: Some(l.seq),
             payload: l.payload,
             commit_seed: Some(rec.commit_seed),
-            welcomes: l.welcomes,
         });
         let ledger_changed = !l.entries.is_empty() && rec.ledger_complete;
         if ledger_changed {
@@ -1413,7 +1419,6 @@ struct Landing<'a> {
     seq: u64,
     digest: [u8; 32],
     payload: Vec<u8>,
-    welcomes: Vec<crate::wire::Publish>,
     /// The ledger with these entries applied, when the checks already
     /// folded it (so it is not folded twice).
     folded: Option<LedgerState>,
