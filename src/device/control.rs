@@ -630,22 +630,36 @@ impl GroupPeerManager {
                 CommitError::Store(super::registry::RegistryError::Store(e.to_string()))
             })?;
         }
-        // One kept Welcome per current member at most: those of members
-        // gone since are forgotten here, at each invite, so the records of
-        // a group with churn stay bounded by its roster.
-        let members = self
-            .members_of(guard)
+        // Checked at each invite too, so the records of a group with churn
+        // stay bounded by its roster.
+        self.kept_welcomes(guard, b, rec.id)
             .map_err(|e| CommitError::Mls(e.to_string()))?;
-        for (former, _) in self.shared.records.invited_welcomes(&rec.id)? {
-            if !members.contains(&former) {
-                self.shared
-                    .records
-                    .delete_invited_welcome(b, &rec.id, &former);
-            }
-        }
         self.shared
             .records
             .put_invited_welcome(b, &rec.id, &joiner, &publish);
         Ok(())
+    }
+
+    /// The Welcomes this device keeps for `group`'s current members; those
+    /// kept for members gone since are forgotten in `b`. At most one per
+    /// member ([`Records::put_invited_welcome`]).
+    pub(crate) fn kept_welcomes(
+        &self,
+        guard: &mut GroupGuard,
+        b: &mut WriteBatch,
+        group: GroupId,
+    ) -> Result<Vec<Publish>, super::DeviceError> {
+        let members = self.members_of(guard)?;
+        let mut kept = Vec::new();
+        for (joiner, w) in self.shared.records.invited_welcomes(&group)? {
+            if members.contains(&joiner) {
+                kept.push(w);
+            } else {
+                self.shared
+                    .records
+                    .delete_invited_welcome(b, &group, &joiner);
+            }
+        }
+        Ok(kept)
     }
 }

@@ -321,15 +321,15 @@ fn json<T: Serialize>(v: &T) -> Vec<u8> {
 }
 
 fn read<T: DeserializeOwned>(kv: &dyn KvStore, k: &[u8]) -> Result<Option<T>, KvError> {
-    match kv.get(k)? {
-        None => Ok(None),
-        Some(b) => serde_json::from_slice(&b)
-            .map(Some)
-            .map_err(|e| KvError::Corrupt {
-                key: hex::encode(k),
-                reason: e.to_string(),
-            }),
-    }
+    kv.get(k)?.map(|b| decode(k, &b)).transpose()
+}
+
+/// Decode the JSON record `b` stored under `k`.
+fn decode<T: DeserializeOwned>(k: &[u8], b: &[u8]) -> Result<T, KvError> {
+    serde_json::from_slice(b).map_err(|e| KvError::Corrupt {
+        key: hex::encode(k),
+        reason: e.to_string(),
+    })
 }
 
 /// Typed access to the engine's records in the device store.
@@ -531,11 +531,7 @@ impl Records {
                     key: hex::encode(&k),
                     reason: "an invited-Welcome key ends in a 32-byte device id".into(),
                 })?;
-            let publish = serde_json::from_slice(&v).map_err(|e| KvError::Corrupt {
-                key: hex::encode(&k),
-                reason: e.to_string(),
-            })?;
-            out.push((joiner, publish));
+            out.push((joiner, decode(&k, &v)?));
         }
         Ok(out)
     }

@@ -738,16 +738,10 @@ impl GroupPeerManager {
         // commits ago it was invited (the same publish id; a joiner that
         // already joined ignores a repeat, and one that joins from an old
         // Welcome catches up or rejoins). Those of former members go.
-        let members = self
-            .members_of(&mut guard)
+        let kept = self
+            .kept_welcomes(&mut guard, &mut b, group)
             .map_err(|e| PullError::Store(RegistryError::Store(e.to_string())))?;
-        for (joiner, w) in self.shared.records.invited_welcomes(&group)? {
-            if !members.contains(&joiner) {
-                self.shared
-                    .records
-                    .delete_invited_welcome(&mut b, &group, &joiner);
-                continue;
-            }
+        for w in kept {
             self.shared
                 .outbox
                 .stage(&mut b, hub, &w)
