@@ -939,40 +939,90 @@ async fn a_hub_restarted_empty_is_noticed_and_the_group_carries_on() {
     assert_eq!(wa.stranded() + wb.stranded(), 0);
 }
 
-/// The hub lost its store (restarted on an empty one) while a Welcome sat
-/// in the mailbox of a joiner that was away, and the inviter had made more
-/// commits since than it keeps frames of: the inviter still posts that
-/// Welcome again when it notices the loss, and the joiner joins when it
-/// comes back. (The Welcome used to be kept only with the last few merged
-/// commits, and so was lost for good.)
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_welcome_the_hub_lost_is_posted_again_however_many_commits_came_since() {
+/// A group that moved on past a Welcome its hub lost: `a` invited `c`
+/// (away) and then `d` (a roster change, so later commits go to another
+/// commit log), rotated more often than it remembers commits, and the hub
+/// restarted on an empty store, which `a` noticed. `c`'s Welcome is posted
+/// again, but the commit log `c` will join on is empty: nothing there
+/// says the group moved on.
+struct MovedOnPastAWelcome {
+    _dirs: (tempfile::TempDir, tempfile::TempDir),
+    _hub: TestHub,
+    u: Vec<String>,
+    a: TestDevice,
+    c: TestDevice,
+    g: GroupId,
+    /// The group's epoch once `c` caught up (by rejoining: one more).
+    epoch_after_rejoin: u64,
+}
+
+async fn moved_on_past_a_welcome() -> MovedOnPastAWelcome {
     let dir = tempfile::tempdir().unwrap();
     let hub = hub_at(dir.path(), "127.0.0.1:0").await;
     let addr = hub.addr().to_string();
     let u = vec![hub.url().to_string()];
     let a = TestDevice::open(&u).await.unwrap();
     let mut c = TestDevice::open(&u).await.unwrap();
+    let mut d = TestDevice::open(&u).await.unwrap();
     c.ready_for_invites(WAIT).await.unwrap();
+    d.ready_for_invites(WAIT).await.unwrap();
     let cid = c.id();
     c.close().await;
 
     let g = a.create_group(&u).await.unwrap();
     invite_with_retry(&a, g, cid).await;
-    let kept = hubsync::device::records::PAYLOADS_KEPT;
+    invite_with_retry(&a, g, d.id()).await;
+    d.close().await;
+    // More commits than a remembers at all: the d invite, the last commit
+    // of c's log, is not given back either.
+    let kept = hubsync::device::records::MERGED_KEPT;
     for _ in 0..=kept {
         a.rotate_keys(g).await.unwrap();
     }
     let wa = Watch::from_now(&a);
     hub.stop().await;
     let empty = tempfile::tempdir().unwrap();
-    let _hub = hub_at(empty.path(), &addr).await;
+    let hub = hub_at(empty.path(), &addr).await;
     wa.until(
         "the lost store noticed",
         |ev| matches!(ev, Event::HubRewound { url } if *url == u[0]),
     )
     .await;
+    // The Welcome posted again is on the hub.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while a.stats().outbox_owed > 0 {
+        assert!(tokio::time::Instant::now() < deadline, "outbox not drained");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    MovedOnPastAWelcome {
+        _dirs: (dir, empty),
+        _hub: hub,
+        u,
+        a,
+        c,
+        g,
+        epoch_after_rejoin: kept as u64 + 4,
+    }
+}
 
+/// A hub that restarted on an empty store had lost an invite's Welcome
+/// in the mailbox of a joiner that was away, and the inviter had made more
+/// commits since than it keeps frames of: the inviter still posts that
+/// Welcome again when it notices the loss, and the joiner joins when it
+/// comes back. (The Welcome used to be kept only with the last few merged
+/// commits, and so was lost for good.) The joiner joins at the invite's
+/// epoch, on a commit log the restore emptied: it asks the members by
+/// probe, learns the group moved on, and rejoins.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_welcome_the_hub_lost_is_posted_again_however_many_commits_came_since() {
+    let MovedOnPastAWelcome {
+        u: _u,
+        a,
+        mut c,
+        g,
+        epoch_after_rejoin,
+        ..
+    } = moved_on_past_a_welcome().await;
     c.reopen().await.unwrap();
     let wc = Watch::new(&c);
     wc.until(
@@ -980,6 +1030,63 @@ async fn a_welcome_the_hub_lost_is_posted_again_however_many_commits_came_since(
         |ev| matches!(ev, Event::GroupJoined { group, .. } if *group == g),
     )
     .await;
+    caught_up_by_rejoin(&wc, &a, &c, g).await;
+    let (e, _) = agree(&[&a, &c], g).await;
+    assert_eq!(e, epoch_after_rejoin);
+    message_reaches(&a, &[&wc], g, b"to the late joiner").await;
+}
+
+/// Wait until `c` rejoined `g` and gathered `a`'s ledger in the new epoch.
+async fn caught_up_by_rejoin(wc: &Watch, a: &TestDevice, c: &TestDevice, g: GroupId) {
+    wc.until(
+        "the rejoin",
+        |ev| matches!(ev, Event::Rejoined { group, .. } if *group == g),
+    )
+    .await;
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while c.ledger(g).unwrap() != a.ledger(g).unwrap() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "ledger not gathered"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A joiner's probe is owed until one concludes, and that survives a stop:
+/// a device that joined from an old Welcome and stopped before anyone
+/// answered asks again when it starts, and catches up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_probe_cut_short_by_a_stop_runs_again_when_the_device_starts() {
+    let MovedOnPastAWelcome {
+        mut a,
+        mut c,
+        g,
+        epoch_after_rejoin,
+        ..
+    } = moved_on_past_a_welcome().await;
+    // Nobody is there to answer the joiner's probe.
+    a.close().await;
+    c.reopen().await.unwrap();
+    let wc = Watch::new(&c);
+    wc.until(
+        "the Welcome posted again",
+        |ev| matches!(ev, Event::GroupJoined { group, .. } if *group == g),
+    )
+    .await;
+    let r = c.manager().record(g).unwrap();
+    assert!(r.probe_owed && !r.stranded, "nothing known yet: {r:?}");
+    c.close().await;
+
+    a.reopen().await.unwrap();
+    c.reopen().await.unwrap();
+    caught_up_by_rejoin(&Watch::new(&c), &a, &c, g).await;
+    let (e, _) = agree(&[&a, &c], g).await;
+    assert_eq!(e, epoch_after_rejoin);
+    assert!(
+        !c.manager().record(g).unwrap().probe_owed,
+        "the probe concluded"
+    );
 }
 
 /// A hub restarted on an older copy of its own store (same store identity,
@@ -1975,6 +2082,11 @@ async fn ledger_requests_beyond_the_bound_are_dropped_and_counted() {
     let b = TestDevice::open(&u).await.unwrap();
     let wb = Watch::new(&b);
     let g = group_with_incomplete_member(&a, &[], &b, &wb, &u).await;
+    // b's probe after joining is answered first (it takes a task too).
+    eventually("b's probe after joining concluded", || {
+        !b.manager().record(g).unwrap().probe_owed
+    })
+    .await;
     // Every answer task of `a` stays busy for the whole test.
     a.manager().faults().answer_delay_ms.store(60_000, SeqCst);
     let before = a.stats().dropped;

@@ -383,6 +383,31 @@ fn all_faults_key_package_brought_back_by_a_restore_is_replaced() {
     holds_with_all_faults(638);
 }
 
+/// Seed 18: dev1 was invited to g1 and cut off from its commit hub at
+/// once; the hub then restarted on an empty store twice, and the inviter
+/// made more commits than it remembers. dev1 joined from the Welcome
+/// posted again, at epoch 1, on a commit log the restore emptied, and
+/// stayed there: nothing it could read said the group had moved on. Now a
+/// device that joins from a Welcome asks the members by probe, strands,
+/// and rejoins.
+#[test]
+fn all_faults_joiner_from_a_welcome_posted_again_catches_up() {
+    let r = holds_with_all_faults(18);
+    assert!(r["rejoins"].as_u64() >= Some(1), "seed 18 rejoined: {r}");
+}
+
+/// Seed 100: with a probe after every join, dev2's probe was still
+/// running when it found its commit log rewound, and the probe that
+/// rewind asked for was dropped; dev2 then stopped (a crash) and, back,
+/// stayed behind, never learning of its removal. A probe asked for while
+/// one runs now runs again after it, a probe is owed in the group's record
+/// until one concludes, and a member's answer that the prober's log cannot
+/// be read to check (a partition) strands nobody.
+#[test]
+fn all_faults_probe_asked_for_while_one_runs_is_not_lost() {
+    holds_with_all_faults(100);
+}
+
 fn holds_with_all_faults(seed: u64) -> serde_json::Value {
     let r = run_in_process(seed, 30, "all");
     assert_eq!(r["violations"], serde_json::json!([]), "seed {seed}");

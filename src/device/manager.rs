@@ -232,8 +232,10 @@ pub(super) struct Shared {
     pub answering: Mutex<BTreeMap<RequestKey, Arc<super::rejoin::Answering>>>,
     /// Groups a background rejoin is healing now (one task per group).
     pub healing: Mutex<std::collections::BTreeSet<GroupId>>,
-    /// Groups a background epoch probe runs for now (one per group).
-    pub probing: Mutex<std::collections::BTreeSet<GroupId>>,
+    /// Groups a background epoch probe runs for now (one per group), each
+    /// with whether another probe was asked for while it ran (it then runs
+    /// once more: what it found may predate the cause of the new ask).
+    pub probing: Mutex<BTreeMap<GroupId, bool>>,
     /// Groups whose lost messages a background task sends again now (one
     /// per group).
     pub resending: Mutex<std::collections::BTreeSet<GroupId>>,
@@ -409,7 +411,7 @@ impl GroupPeerManager {
                 gathers: Mutex::new(BTreeMap::new()),
                 rejoins: Mutex::new(BTreeMap::new()),
                 answering: Mutex::new(BTreeMap::new()),
-                probing: Mutex::new(std::collections::BTreeSet::new()),
+                probing: Mutex::new(BTreeMap::new()),
                 resending: Mutex::new(std::collections::BTreeSet::new()),
                 healing: Mutex::new(std::collections::BTreeSet::new()),
                 control_tasks: AtomicU64::new(0),
@@ -454,6 +456,8 @@ impl GroupPeerManager {
             self.add_group(rec.id).await?;
             if rec.stranded {
                 self.heal_in_background(rec.id);
+            } else if rec.probe_owed {
+                self.probe_in_background(rec.id);
             }
         }
         Ok(())
@@ -945,6 +949,7 @@ impl GroupPeerManager {
         let joined = self.join(&env).await?;
         if joined {
             self.add_group(env.group).await?;
+            self.probe_in_background(env.group);
         }
         Ok(())
     }

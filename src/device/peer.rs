@@ -771,6 +771,10 @@ impl GroupPeerManager {
             rendezvous_seed: Some(ext.topic_seed),
             lost_from: None,
             caught_up_at_ms: 0,
+            // The Welcome may be one posted again after a restore, on a
+            // commit log the restore emptied: only the members can say
+            // whether the group moved on.
+            probe_owed: true,
         };
         let mut b = op.take_batch();
         self.shared.records.put_group(&mut b, &rec);
@@ -868,6 +872,7 @@ impl GroupPeerManager {
             rendezvous_seed: Some(topic_seed),
             lost_from: None,
             caught_up_at_ms: 0,
+            probe_owed: false,
         };
         let mut b = WriteBatch::new();
         self.shared.records.put_group(&mut b, &rec);

@@ -5,8 +5,11 @@
 //! back. A member that had not read them re-reads the rewound log, finds it
 //! ends at its own epoch, and has no evidence that it is behind: it would
 //! wait there for ever, while the group commits on a topic it cannot
-//! compute. So a member that finds its current commit log rewound asks the
-//! group, on the rendezvous mailbox (whose topic never rotates):
+//! compute. The same holds for a device that joins from a Welcome its
+//! inviter posted again after a restore, on a commit log the restore
+//! emptied. So a member that finds its current commit log rewound, and a
+//! device that joined from a Welcome, asks the group, on the rendezvous
+//! mailbox (whose topic never rotates):
 //!
 //! 1. It posts an [`EpochProbe`]: its device id, its epoch, a fresh nonce
 //!    and the few members of its own view it asks this round
@@ -22,8 +25,15 @@
 //! 3. A status from a member of the prober's view at a later epoch that the
 //!    prober cannot reach by reading its log, or a refusal from one,
 //!    strands the prober; the background heal then rejoins it (or learns
-//!    that it was removed). Statuses at its epoch or earlier, or silence,
-//!    change nothing.
+//!    that it was removed). Statuses at its epoch or earlier change
+//!    nothing. A log the prober cannot read for the whole deadline judges
+//!    nothing either: a member one commit ahead may just have committed
+//!    what the prober has yet to read.
+//!
+//! A probe is owed from its cause until one concludes, and that is kept
+//! in the group's record: a probe cut short by a stop, met with silence or
+//! unable to read its log runs again (with backoff while the device runs,
+//! and at its next start).
 //!
 //! Who may do what: a probe is signed by the device it names; a status or a
 //! refusal counts only signed by a member of the prober's view. A member
@@ -51,6 +61,17 @@ const STATUS_DOMAIN: &[u8] = b"hubsync epoch status v1";
 
 /// How long a probe waits for statuses.
 const PROBE_DEADLINE: Duration = Duration::from_secs(10);
+
+/// How long a probe waits between reads of a log it could not read.
+const PULL_RETRY: Duration = Duration::from_secs(1);
+
+/// How long a background probe that settled nothing (nobody answered,
+/// its log unreadable) waits before it asks again; doubled each time.
+const RETRY_FIRST: Duration = Duration::from_secs(5);
+
+/// The longest wait between the asks of an owed probe: a group whose other
+/// members are all away costs one probe per member asked this often.
+const RETRY_MAX: Duration = Duration::from_secs(600);
 
 /// How often a probe asks the next members of its view.
 const ROUND_INTERVAL: Duration = Duration::from_secs(2);
@@ -152,6 +173,14 @@ pub enum ProbeOutcome {
     },
     /// The members that answered are at this device's epoch or earlier.
     InStep,
+    /// A member is at a later epoch, but this device could not read its
+    /// own commit log to see whether that commit is there for it to apply
+    /// (the hub unreachable for the whole deadline): nothing was judged,
+    /// and the probe stays owed.
+    LogUnreadable {
+        /// The epoch the member said.
+        epoch: u64,
+    },
     /// Nobody of this device's view answered before the deadline (or there
     /// is nobody else to ask).
     NoAnswer,
@@ -168,9 +197,14 @@ impl GroupPeerManager {
     pub async fn probe_epoch(&self, group: GroupId) -> Result<ProbeOutcome, DeviceError> {
         let rec = self.record(group)?;
         let Some(seed) = rec.rendezvous_seed else {
+            // No mailbox to ask on (a record from before the seed was
+            // kept): nothing a later probe could do better.
+            self.settle_probe(group).await?;
             return Ok(ProbeOutcome::NoAnswer);
         };
         if rec.stranded {
+            // The rejoin that heals it answers what a probe would.
+            self.settle_probe(group).await?;
             return Ok(ProbeOutcome::NoAnswer);
         }
         let me = self.shared.identity.id();
@@ -185,6 +219,8 @@ impl GroupPeerManager {
             (own, others)
         };
         if others.is_empty() {
+            // Nobody can be further on than the only member.
+            self.settle_probe(group).await?;
             return Ok(ProbeOutcome::NoAnswer);
         }
         let mut nonce = [0u8; 16];
@@ -286,9 +322,26 @@ impl GroupPeerManager {
         let outcome = match outcome {
             // A member a commit ahead may just have committed what this
             // device has yet to read: read the log before believing it.
+            // A log this device cannot read now proves nothing either way
+            // (a partition, a hub restarting): it is read again for a
+            // while, and if it stays unreadable nothing is judged.
             ProbeOutcome::Behind { epoch, .. } => {
-                if let Err(e) = self.pull(group).await {
-                    tracing::debug!(%group, error = %e, "pull after an epoch status failed");
+                let until = Instant::now() + PROBE_DEADLINE;
+                let read = loop {
+                    match self.pull(group).await {
+                        Ok(_) => break true,
+                        Err(e) if Instant::now() + PULL_RETRY < until => {
+                            tracing::debug!(%group, error = %e, "pull after an epoch status failed: reading again");
+                            tokio::time::sleep(PULL_RETRY).await;
+                        }
+                        Err(e) => {
+                            tracing::debug!(%group, error = %e, "pull after an epoch status failed");
+                            break false;
+                        }
+                    }
+                };
+                if !read {
+                    return Ok(ProbeOutcome::LogUnreadable { epoch });
                 }
                 let now = {
                     let mut guard = self.shared.registry.lock(group).await;
@@ -309,7 +362,26 @@ impl GroupPeerManager {
             tracing::warn!(%group, ?outcome, "the group moved on without this device");
             self.strand_group(group).await?;
         }
+        // Silence or an unreadable log settles nothing: the probe stays
+        // owed, for the next start or rewind.
+        if !matches!(
+            outcome,
+            ProbeOutcome::NoAnswer | ProbeOutcome::LogUnreadable { .. }
+        ) {
+            self.settle_probe(group).await?;
+        }
         Ok(outcome)
+    }
+
+    /// A probe of `group` concluded: none is owed any more.
+    async fn settle_probe(&self, group: GroupId) -> Result<(), DeviceError> {
+        let mut guard = self.shared.registry.lock(group).await;
+        let mut rec = self.record(group)?;
+        if rec.probe_owed {
+            rec.probe_owed = false;
+            self.save_record(&mut guard, &rec)?;
+        }
+        Ok(())
     }
 
     /// Answer `p`, which names this device, after a random wait: this
@@ -386,34 +458,66 @@ impl GroupPeerManager {
     }
 
     /// After this device's current commit log of `group` was found
-    /// rewound: read it again (giving back what it lost), then probe, once
-    /// at a time per group, in the background. A probe that fails is
-    /// counted; the next rewind found probes again.
+    /// rewound, after it joined from a Welcome that may be old, or when it
+    /// starts with a probe owed ([`GroupRecord::probe_owed`]): read the
+    /// log again (giving back what it lost), then probe, once at a time per
+    /// group, in the background. Asked while a probe runs, the probe runs
+    /// once more after it (the new cause may postdate what the running one
+    /// read). While the probe stays owed (nobody answered, the log could
+    /// not be read) it runs again after [`RETRY_FIRST`], doubling to
+    /// [`RETRY_MAX`]. A probe that fails is counted; the next rewind found
+    /// or the next start probes again.
+    ///
+    /// [`GroupRecord::probe_owed`]: super::records::GroupRecord::probe_owed
     pub(crate) fn probe_in_background(&self, group: GroupId) {
-        if !lock(&self.shared.probing).insert(group) {
-            return;
+        {
+            let mut probing = lock(&self.shared.probing);
+            if let Some(again) = probing.get_mut(&group) {
+                *again = true;
+                return;
+            }
+            probing.insert(group, false);
         }
         let me = self.clone();
         self.shared.tasks.spawn(async move {
             let stop = me.shared.shutdown.clone();
-            let work = async {
-                if let Err(e) = me.pull(group).await {
-                    tracing::debug!(%group, error = %e, "pull before an epoch probe failed");
+            let mut wait = RETRY_FIRST;
+            loop {
+                let work = async {
+                    if let Err(e) = me.pull(group).await {
+                        tracing::debug!(%group, error = %e, "pull before an epoch probe failed");
+                    }
+                    me.probe_epoch(group).await
+                };
+                let result = tokio::select! {
+                    _ = stop.cancelled() => break,
+                    r = work => r,
+                };
+                if let Err(e) = &result {
+                    me.shared
+                        .counters
+                        .control_failures
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    tracing::warn!(%group, error = %e, "epoch probe failed");
                 }
-                me.probe_epoch(group).await
-            };
-            let result = tokio::select! {
-                _ = stop.cancelled() => Ok(ProbeOutcome::NoAnswer),
-                r = work => r,
-            };
-            lock(&me.shared.probing).remove(&group);
-            if let Err(e) = result {
-                me.shared
-                    .counters
-                    .control_failures
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                tracing::warn!(%group, error = %e, "epoch probe failed");
+                let asked = lock(&me.shared.probing)
+                    .get_mut(&group)
+                    .is_some_and(std::mem::take);
+                if asked {
+                    wait = RETRY_FIRST;
+                    continue;
+                }
+                let owed = me.record(group).map(|r| r.probe_owed).unwrap_or(false);
+                if result.is_err() || !owed {
+                    break;
+                }
+                tokio::select! {
+                    _ = stop.cancelled() => break,
+                    _ = tokio::time::sleep(wait) => {}
+                }
+                wait = (wait * 2).min(RETRY_MAX);
             }
+            lock(&me.shared.probing).remove(&group);
         });
     }
 }

@@ -109,6 +109,13 @@ pub struct GroupRecord {
     /// on every pull). What it sent before, the group could read.
     #[serde(default)]
     pub caught_up_at_ms: u64,
+    /// An epoch probe is owed and none has concluded since: this device
+    /// found its current commit log rewound, or joined from a Welcome that
+    /// may be old (posted again after a restore, the group moved on since).
+    /// Kept so that a probe cut short (the device stopped, nobody
+    /// answered, the log unreadable) runs again when the device starts.
+    #[serde(default)]
+    pub probe_owed: bool,
 }
 
 /// One commit this device merged, remembered to judge frames of its epoch.

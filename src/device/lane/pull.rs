@@ -730,6 +730,12 @@ impl GroupPeerManager {
         let mut guard = self.shared.registry.lock(group).await;
         let mut rec = self.record(group)?;
         rec.rewind(hub);
+        // The rewound log may have lost commits nobody can give back: the
+        // group could be further on than anything this log will show. The
+        // members are asked (`probe`), below and, if that is cut short,
+        // when the device next starts.
+        let probe = hub == rec.commit_hub && !rec.stranded;
+        rec.probe_owed |= probe;
         let mut b = WriteBatch::new();
         self.shared.records.reset_app_cursors(&mut b, &group, hub)?;
         // Welcomes this device sent through that hub may be gone with the
@@ -772,10 +778,7 @@ impl GroupPeerManager {
         // sees no rewind) would otherwise build on: check them at the next
         // caught-up pull, not 10 s later.
         crate::device::manager::lock(&self.shared.former_checked).remove(&group);
-        // The rewound log may have lost commits nobody can give back: the
-        // group could be further on than anything this log will show. Ask
-        // the members (`probe`).
-        if hub == rec.commit_hub && !rec.stranded {
+        if probe {
             self.probe_in_background(group);
         }
         Ok(())
