@@ -1047,6 +1047,17 @@ async fn a_same_id_welcome_never_displaces_a_real_reinvite_kept_for_after_remova
     let wv = Watch::new(&v);
     let g = group_of(&a, &[(&v, &wv)], &u).await;
     let (e0, _) = agree(&[&a, &v], g).await;
+    // V's probe after joining is answered first: told later that the group
+    // moved on, V would read the log to check, and with its reads held
+    // (the fault below) would strand rather than see its removal.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while v.manager().record(g).unwrap().probe_owed {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "V's probe after joining never concluded"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 
     v.manager().faults().no_pull.store(true, SeqCst);
     a.remove(g, v.id()).await.unwrap();

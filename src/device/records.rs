@@ -143,7 +143,8 @@ pub struct MergedCommit {
 /// Merged commits remembered per group.
 pub const MERGED_KEPT: usize = 16;
 
-/// Of those, how many keep their frame (to heal a rewound hub).
+/// Of those, how many keep their frame (to heal a rewound hub); the last
+/// commit of each commit log keeps its frame too.
 pub const PAYLOADS_KEPT: usize = 4;
 
 /// How many app topics a group keeps reading: enough to cover every epoch
@@ -239,12 +240,27 @@ impl GroupRecord {
             let cut = self.merged.len() - MERGED_KEPT;
             self.merged.drain(..cut);
         }
-        // Frames are kept only for the last few commits: enough to give a
-        // rewound hub back what it lost in a short window, without making
-        // the record (rewritten on every frame) large.
+        // Frames are kept for the last few commits, enough to give a
+        // rewound hub back what it lost in a short window, and for the last
+        // commit of each commit log (hub and topic): a former commit hub
+        // restored from before a move or a roster change needs only that
+        // one back, however many commits came since elsewhere. Others drop
+        // theirs so the record (rewritten on every frame) stays small.
         let keep_from = self.merged.len().saturating_sub(PAYLOADS_KEPT);
-        for k in &mut self.merged[..keep_from] {
-            k.payload = Vec::new();
+        let mut logs_seen: Vec<(&str, Option<[u8; 32]>)> = Vec::new();
+        let mut drop = Vec::new();
+        for (i, k) in self.merged.iter().enumerate().rev() {
+            let log = (k.hub.as_str(), k.commit_seed);
+            let last_of_log = !logs_seen.contains(&log);
+            if last_of_log {
+                logs_seen.push(log);
+            }
+            if i < keep_from && !last_of_log {
+                drop.push(i);
+            }
+        }
+        for i in drop {
+            self.merged[i].payload = Vec::new();
         }
     }
 
