@@ -483,6 +483,96 @@ impl hubsync::transport::Connector for Switch {
     }
 }
 
+/// Frames handled together under one flush (a burst a peer found waiting)
+/// are delivered as one at a time would be: in order, each once, a frame
+/// repeated within the run counted as a duplicate, not delivered twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_of_frames_under_one_flush_delivers_each_once_in_order() {
+    let hubs = hubs(1).await;
+    let u = urls(&hubs);
+    let a = TestDevice::open(&u).await.unwrap();
+    let switch = Switch::default();
+    let mut ob = hubsync::testkit::device_options(&u);
+    ob.connector = std::sync::Arc::new(switch.clone());
+    let mut b = TestDevice::open_with(ob).await.unwrap();
+    let mut ib = Inbox::new(&b);
+    let g = group_of(&a, &mut [(&b, &mut ib)], &u).await;
+    converge(&[&a, &b], g).await;
+    b.close().await;
+    switch.cut.store(true, std::sync::atomic::Ordering::SeqCst);
+    for body in [&b"one"[..], b"two", b"three"] {
+        a.send(g, body).await.unwrap();
+    }
+    let reader = hubs[0]
+        .client(&hubsync::testkit::signing_key(78))
+        .await
+        .unwrap();
+    let topic = a.manager().record(g).unwrap().app_topics[0].clone();
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let frames = loop {
+        let f = reader.fetch(&topic, 0, 10).await.unwrap();
+        if f.messages.len() == 3 {
+            break f
+                .messages
+                .into_iter()
+                .map(|m| m.payload)
+                .collect::<Vec<_>>();
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "a's sends on the hub"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+
+    b.reopen().await.unwrap();
+    let before = b.stats().duplicates;
+    let run: Vec<(&[u8], _)> = [0, 0, 1, 2, 1]
+        .iter()
+        .map(|&i| (frames[i].as_slice(), None))
+        .collect();
+    b.manager().receive_apps(g, &run).await.unwrap();
+    let got = b.messages(g, 0, 10).unwrap();
+    let bodies: Vec<&[u8]> = got.iter().map(|m| m.body.as_slice()).collect();
+    assert_eq!(bodies, vec![&b"one"[..], b"two", b"three"]);
+    assert_eq!(
+        got.iter().map(|m| m.position).collect::<Vec<_>>(),
+        vec![1, 2, 3]
+    );
+    assert_eq!(
+        b.stats().duplicates - before,
+        2,
+        "the repeats are duplicates"
+    );
+
+    // The same frames reach b again from the hub: nothing new.
+    switch.cut.store(false, std::sync::atomic::Ordering::SeqCst);
+    b.manager().retry_hubs(WAIT).await;
+    converge(&[&a, &b], g).await;
+    a.send(g, b"four").await.unwrap();
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while b.messages(g, 0, 10).unwrap().len() < 4 {
+        assert!(tokio::time::Instant::now() < deadline, "b reads on");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let bodies: Vec<Vec<u8>> = b
+        .messages(g, 0, 10)
+        .unwrap()
+        .into_iter()
+        .map(|m| m.body)
+        .collect();
+    assert_eq!(
+        bodies,
+        vec![
+            b"one".to_vec(),
+            b"two".to_vec(),
+            b"three".to_vec(),
+            b"four".to_vec()
+        ]
+    );
+}
+
 /// b sees a's message from the next epoch before the commit that opens it.
 async fn future_frame_case(mode: hubsync::device::FutureFrames) -> (Inbox, TestDevice) {
     let hubs = hubs(1).await;

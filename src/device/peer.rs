@@ -28,6 +28,10 @@ const SENDS_PER_PRUNE: usize = 64;
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
+/// At most how many frames a peer takes from its queue at once; app
+/// frames among them are made durable in one flush.
+const RECEIVE_BATCH: usize = 64;
+
 /// How many epochs ahead a kept future frame may be.
 const FUTURE_WINDOW: u64 = 8;
 
@@ -162,33 +166,16 @@ impl GroupPeerManager {
                 }
                 item = rx.recv() => {
                     let Some(item) = item else { break };
-                    let handled = if Some(&item.topic) == t.rendezvous.as_ref() {
-                        // Judged and answered on tasks of their own: a
-                        // stranger's frames cost a decode at most.
-                        self.on_rendezvous(group, &hub, &item.payload);
-                        true
-                    } else if item.topic == t.commit {
-                        match self.pull(group).await {
-                            Ok(()) => true,
-                            Err(e) if e.is_unknown_group() => true,
-                            Err(e) => {
-                                tracing::debug!(%group, hub = %hub, error = %e, "pull on push failed");
-                                false
-                            }
+                    // Whatever else already waits is handled with it: app
+                    // frames in a row share one flush (and one ack).
+                    let mut items = vec![item];
+                    while items.len() < RECEIVE_BATCH {
+                        match rx.try_recv() {
+                            Ok(more) => items.push(more),
+                            Err(_) => break,
                         }
-                    } else {
-                        match self.receive_app(group, &item.payload, Some((&hub, &item.topic))).await {
-                            Ok(()) | Err(DeviceError::UnknownGroup(_)) => true,
-                            Err(e) => {
-                                tracing::warn!(%group, hub = %hub, error = %e, "frame not handled");
-                                false
-                            }
-                        }
-                    };
-                    // Not acked: the hub delivers it again later.
-                    if let (true, Some(id)) = (handled, item.ack) {
-                        link.ack(vec![id]).await;
                     }
+                    self.handle_items(group, &hub, &link, &t, items).await;
                 }
             }
         }
@@ -202,6 +189,89 @@ impl GroupPeerManager {
                 link.unsubscribe(&topic).await;
             }
         }
+    }
+
+    /// Handle frames a peer received, in order, and ack those handled (one
+    /// not handled is delivered again later). Rendezvous frames go to their
+    /// own tasks; a commit topic's frame means "pull"; each run of app
+    /// frames is made durable in one flush.
+    async fn handle_items(
+        &self,
+        group: GroupId,
+        hub: &str,
+        link: &HubLink,
+        t: &GroupTopics,
+        items: Vec<Item>,
+    ) {
+        let mut acks = Vec::new();
+        let mut run: Vec<Item> = Vec::new();
+        let mut items = items.into_iter().peekable();
+        while let Some(item) = items.next() {
+            let handled = if Some(&item.topic) == t.rendezvous.as_ref() {
+                // Judged and answered on tasks of their own: a stranger's
+                // frames cost a decode at most.
+                self.on_rendezvous(group, hub, &item.payload);
+                true
+            } else if item.topic == t.commit {
+                match self.pull(group).await {
+                    Ok(()) => true,
+                    Err(e) if e.is_unknown_group() => true,
+                    Err(e) => {
+                        tracing::debug!(%group, hub, error = %e, "pull on push failed");
+                        false
+                    }
+                }
+            } else {
+                run.push(item);
+                let run_ends = items.peek().is_none_or(|next| {
+                    Some(&next.topic) == t.rendezvous.as_ref() || next.topic == t.commit
+                });
+                if run_ends {
+                    let done = std::mem::take(&mut run);
+                    acks.extend(self.receive_run(group, hub, done).await);
+                }
+                continue;
+            };
+            if let (true, Some(id)) = (handled, item.ack) {
+                acks.push(id);
+            }
+        }
+        link.ack(acks).await;
+    }
+
+    /// Receive a run of app frames from `hub` under one flush; answers the
+    /// delivery ids to ack. When the run fails as a whole (a store error,
+    /// say), nothing of it was applied and each frame is tried alone, so
+    /// one that cannot be handled holds back only its own ack.
+    async fn receive_run(
+        &self,
+        group: GroupId,
+        hub: &str,
+        run: Vec<Item>,
+    ) -> Vec<crate::wire::FrameRef> {
+        let frames: Vec<(&[u8], Option<(&str, &TopicId)>)> = run
+            .iter()
+            .map(|i| (i.payload.as_slice(), Some((hub, &i.topic))))
+            .collect();
+        let all = self.receive_apps(group, &frames).await;
+        let mut acks = Vec::new();
+        for (item, frame) in run.iter().zip(&frames) {
+            let handled = match &all {
+                Ok(()) | Err(DeviceError::UnknownGroup(_)) => true,
+                Err(_) if run.len() == 1 => false,
+                Err(_) => matches!(
+                    self.receive_apps(group, std::slice::from_ref(frame)).await,
+                    Ok(()) | Err(DeviceError::UnknownGroup(_))
+                ),
+            };
+            if let (Err(e), false) = (&all, handled) {
+                tracing::warn!(%group, hub, error = %e, "frame not handled");
+            }
+            if let (true, Some(id)) = (handled, item.ack.clone()) {
+                acks.push(id);
+            }
+        }
+        acks
     }
 
     /// Read an app topic's log on this peer's hub from its catch-up cursor,
@@ -418,6 +488,23 @@ impl GroupPeerManager {
         payload: &[u8],
         via: Option<(&str, &TopicId)>,
     ) -> Result<(), DeviceError> {
+        self.receive_apps(group, &[(payload, via)]).await
+    }
+
+    /// Handle app frames in order as [`Self::receive_app`] does one, made
+    /// durable together in one flush: all of them, or (on an error) none,
+    /// and the app hears of them only after that flush. A frame or message
+    /// id repeated within the run is a duplicate as it would be across
+    /// runs. A peer hands each run of app frames already waiting in its
+    /// queue here, so a burst costs one flush, not one per frame.
+    ///
+    /// # Errors
+    /// `UnknownGroup` when the group is gone, or the store's error.
+    pub async fn receive_apps(
+        &self,
+        group: GroupId,
+        frames: &[(&[u8], Option<(&str, &TopicId)>)],
+    ) -> Result<(), DeviceError> {
         if self.shared.faults.panic_on_receive.load(Ordering::Relaxed) {
             panic!("test fault: panic on receive");
         }
@@ -426,13 +513,15 @@ impl GroupPeerManager {
             return Err(DeviceError::UnknownGroup(group));
         };
         let mut b = WriteBatch::new();
-        let events = self.receive_locked(&mut guard, group, payload, &mut b)?;
-        let forwarded = match via {
-            Some((from, topic)) => {
-                self.stage_forwards(&rec, &mut b, from, topic, payload, &events)?
+        let mut events = Vec::new();
+        let mut forwarded = false;
+        for (payload, via) in frames {
+            let got = self.receive_locked(&mut guard, group, payload, &mut b)?;
+            if let Some((from, topic)) = via {
+                forwarded |= self.stage_forwards(&rec, &mut b, from, topic, payload, &got)?;
             }
-            None => false,
-        };
+            events.extend(got);
+        }
         guard.finish(b)?;
         drop(guard);
         if forwarded {
@@ -512,7 +601,7 @@ impl GroupPeerManager {
         let c = &self.shared.counters;
         let d = digest(payload);
         let skip_dedup = self.shared.faults.skip_dedup.load(Ordering::Relaxed);
-        if !skip_dedup && self.shared.records.seen_frame(&group, &d)? {
+        if !skip_dedup && self.shared.records.seen_frame(b, &group, &d)? {
             c.duplicates.fetch_add(1, Ordering::Relaxed);
             return Ok(vec![]);
         }
@@ -568,7 +657,7 @@ impl GroupPeerManager {
             return Ok(vec![]);
         };
         let body_digest = digest(&msg.body);
-        match self.shared.records.message(&group, &msg.id)? {
+        match self.shared.records.message(b, &group, &msg.id)? {
             Some(known) if !skip_dedup => {
                 if known == body_digest {
                     c.duplicates.fetch_add(1, Ordering::Relaxed);
@@ -635,6 +724,9 @@ impl GroupPeerManager {
             events.extend(self.receive_locked(guard, rec.id, &frame, &mut b)?);
         }
         guard.finish(b)?;
+        // The app hears of a message only once it is durable, also when
+        // this merge was one of a page's deferred ones.
+        guard.flush()?;
         for e in events {
             self.emit(e);
         }

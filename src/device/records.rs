@@ -604,12 +604,23 @@ impl Records {
         batch.delete(key(JOURNAL, group, &[]));
     }
 
-    /// Whether a frame with this ciphertext digest was already handled.
+    /// Whether a frame with this ciphertext digest was already handled:
+    /// marked in `batch` (several frames handled under one flush) or in
+    /// the store.
     ///
     /// # Errors
     /// The store's error.
-    pub fn seen_frame(&self, group: &GroupId, digest: &[u8; 32]) -> Result<bool, KvError> {
-        Ok(self.kv.get(&key(INBOX, group, digest))?.is_some())
+    pub fn seen_frame(
+        &self,
+        batch: &WriteBatch,
+        group: &GroupId,
+        digest: &[u8; 32],
+    ) -> Result<bool, KvError> {
+        let k = key(INBOX, group, digest);
+        Ok(match batch.staged(&k) {
+            Some(v) => v.is_some(),
+            None => self.kv.get(&k)?.is_some(),
+        })
     }
 
     /// Stage "this frame was handled" (at `epoch`, for later pruning).
@@ -623,12 +634,23 @@ impl Records {
         batch.put(key(INBOX, group, digest), json(&epoch));
     }
 
-    /// The body digest recorded for a message id, if any.
+    /// The body digest recorded for a message id, if any: staged in
+    /// `batch`, or else in the store.
     ///
     /// # Errors
     /// The store's error.
-    pub fn message(&self, group: &GroupId, id: &[u8; 16]) -> Result<Option<[u8; 32]>, KvError> {
-        read(&*self.kv, &key(MESSAGE, group, id))
+    pub fn message(
+        &self,
+        batch: &WriteBatch,
+        group: &GroupId,
+        id: &[u8; 16],
+    ) -> Result<Option<[u8; 32]>, KvError> {
+        let k = key(MESSAGE, group, id);
+        match batch.staged(&k) {
+            Some(Some(v)) => decode(&k, v).map(Some),
+            Some(None) => Ok(None),
+            None => read(&*self.kv, &k),
+        }
     }
 
     /// Stage a delivered message id with its body digest.

@@ -124,6 +124,8 @@ impl Registry {
             slot: slot.lock_owned().await,
             provider: self.provider.clone(),
             op: None,
+            deferring: false,
+            unflushed: false,
         }
     }
 }
@@ -134,6 +136,11 @@ pub struct GroupGuard {
     slot: OwnedMutexGuard<Slot>,
     provider: Arc<DeviceProvider>,
     op: Option<OpProvider>,
+    /// [`GroupGuard::finish`] applies without flushing until
+    /// [`GroupGuard::flush`].
+    deferring: bool,
+    /// A batch was applied and no flush has covered it yet.
+    unflushed: bool,
 }
 
 impl GroupGuard {
@@ -230,8 +237,10 @@ impl GroupGuard {
     }
 
     /// Apply every staged MLS write plus `extra` as one atomic batch and
-    /// flush it. On failure everything staged is discarded and the handle
-    /// is reloaded from the store next time.
+    /// flush it (after [`GroupGuard::defer_flush`], only apply it: the
+    /// flush comes with [`GroupGuard::flush`] or
+    /// [`GroupGuard::end_deferral`]). On failure everything staged is
+    /// discarded and the handle is reloaded from the store next time.
     ///
     /// # Errors
     /// The store's error.
@@ -245,11 +254,53 @@ impl GroupGuard {
             return Ok(());
         }
         let kv = self.provider.kv();
-        let r = kv.apply(&batch).and_then(|()| kv.flush());
-        if let Err(e) = r {
+        if let Err(e) = kv.apply(&batch) {
             self.slot.group = None;
             return Err(e.into());
         }
+        self.unflushed = true;
+        if self.deferring {
+            return Ok(());
+        }
+        self.flush()
+    }
+
+    /// From now on, [`GroupGuard::finish`] applies without flushing, until
+    /// [`GroupGuard::end_deferral`] or the guard's drop. For a run of operations
+    /// that nothing outside the device hears of until it ends (a page of
+    /// commits read from the log): a crash before the flush loses them
+    /// whole, as a crash before they began would, and they are read again.
+    /// Reads of the store see them at once. Whoever makes anything leave
+    /// the device flushes first: a flush covers every batch applied before
+    /// it (the [`KvStore`](crate::kv::KvStore) promise), so anything sent
+    /// later from this state, by any task, comes after it is durable.
+    pub fn defer_flush(&mut self) {
+        self.deferring = true;
+    }
+
+    /// Stop deferring, and make every batch this guard applied durable.
+    ///
+    /// # Errors
+    /// The store's error; the handle is reloaded from the store next time.
+    pub fn end_deferral(&mut self) -> Result<(), RegistryError> {
+        self.deferring = false;
+        self.flush()
+    }
+
+    /// Make every batch this guard applied durable now (deferring or not):
+    /// before anything of them leaves the device.
+    ///
+    /// # Errors
+    /// The store's error; the handle is reloaded from the store next time.
+    pub fn flush(&mut self) -> Result<(), RegistryError> {
+        if !self.unflushed {
+            return Ok(());
+        }
+        if let Err(e) = self.provider.kv().flush() {
+            self.slot.group = None;
+            return Err(e.into());
+        }
+        self.unflushed = false;
         Ok(())
     }
 
@@ -263,6 +314,15 @@ impl GroupGuard {
 
 impl Drop for GroupGuard {
     fn drop(&mut self) {
+        // A deferred run left early (an error, a cancelled future): what it
+        // applied is consistent and is made durable now, before the lock
+        // lets anyone else act on it. A failure here is the store's, and
+        // the next flush (every operation's) meets it again and returns it.
+        if self.unflushed {
+            if let Err(e) = self.flush() {
+                tracing::warn!(group = %self.id, error = %e, "flush at the end of a deferred run failed");
+            }
+        }
         // An operation abandoned half-way (an error, a cancelled future) must
         // not leave its in-memory changes behind for the next one.
         if self.op.as_ref().is_some_and(|op| !op.storage.is_empty()) {

@@ -366,19 +366,32 @@ impl GroupPeerManager {
                 continue;
             }
             let seed = rec.commit_seed;
-            for m in &f.messages {
-                if rec.commit_seed != seed {
-                    // A roster change moved the log to a new topic: what
-                    // follows on the old one lost the race for that epoch
-                    // or is a stranger's; the loop reads the new topic.
-                    break;
+            // The page's merges share one flush: none of them is heard of
+            // outside the device before it (see `GroupGuard::defer_flush`),
+            // and a crash before it reads them again from the log.
+            guard.defer_flush();
+            let ended = async {
+                for m in &f.messages {
+                    if rec.commit_seed != seed {
+                        // A roster change moved the log to a new topic:
+                        // what follows on the old one lost the race for
+                        // that epoch or is a stranger's; the loop reads the
+                        // new topic.
+                        break;
+                    }
+                    match self.apply_frame(&mut guard, &mut rec, &hub, m).await? {
+                        Applied::Next => {}
+                        Applied::HubChanged => break,
+                        Applied::Stranded => return Ok(Some(Pulled::Stranded)),
+                        Applied::Removed => return Ok(Some(Pulled::Removed)),
+                    }
                 }
-                match self.apply_frame(&mut guard, &mut rec, &hub, m).await? {
-                    Applied::Next => {}
-                    Applied::HubChanged => break,
-                    Applied::Stranded => return Ok(Pulled::Stranded),
-                    Applied::Removed => return Ok(Pulled::Removed),
-                }
+                Ok::<_, PullError>(None)
+            }
+            .await;
+            guard.end_deferral()?;
+            if let Some(p) = ended? {
+                return Ok(p);
             }
         }
     }
@@ -1187,6 +1200,9 @@ impl GroupPeerManager {
             },
             b,
         )?;
+        // What the commit staged (its Welcomes) leaves the device only
+        // once durable, also in a page of deferred merges.
+        guard.flush()?;
         self.shared.outbox.wake();
         Ok(())
     }
