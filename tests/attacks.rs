@@ -421,7 +421,11 @@ struct Raw {
 
 impl Raw {
     async fn connect(hub: &TestHub, n: u64) -> Raw {
-        let key = signing_key(n);
+        Raw::connect_as(hub, signing_key(n)).await
+    }
+
+    /// A raw client under `key`: another connection of that device.
+    async fn connect_as(hub: &TestHub, key: SigningKey) -> Raw {
         let client = hub.client(&key).await.unwrap();
         Raw {
             signer: signer_of(&key),
@@ -940,14 +944,14 @@ async fn a_welcome_with_a_held_group_id_never_replaces_the_group() {
     drained(&hub, v.id(), WAIT).await;
     // A Welcome for a group V holds is kept only from that group's admin:
     // the attacker's is refused outright, not even kept aside.
-    assert_eq!(records.pending_welcome(&g).unwrap(), None);
+    assert!(records.pending_welcomes(&g).unwrap().is_empty());
 
     assert_eq!(wv.joined(g), 1, "joined once, at the real invite");
     assert_eq!(v.epoch(g).await.unwrap(), e0);
     assert_eq!(v.epoch_authenticator(g).await.unwrap(), auth0);
     assert_eq!(v.groups().unwrap(), vec![g]);
     assert!(records.group(&other).unwrap().is_none());
-    assert!(records.pending_welcome(&other).unwrap().is_none());
+    assert!(records.pending_welcomes(&other).unwrap().is_empty());
     assert_eq!(wv.joined(other), 0);
     for id in [z, named] {
         assert!(records.group(&id).unwrap().is_none());
@@ -1012,7 +1016,7 @@ async fn a_welcome_whose_tree_holds_a_leaf_that_is_not_its_device_is_refused() {
     assert!(reason.contains("not its device"), "refused for: {reason}");
     let records = Records::new(kv.clone());
     assert!(records.group(&z).unwrap().is_none(), "no record");
-    assert!(records.pending_welcome(&z).unwrap().is_none());
+    assert!(records.pending_welcomes(&z).unwrap().is_empty());
     assert_eq!(wv.joined(z), 0);
     assert_eq!(v.groups().unwrap(), vec![g]);
     carry_on(&v, &[&a, &v], &[&wa], g, b"v goes on").await;
@@ -1047,31 +1051,21 @@ async fn a_same_id_welcome_never_displaces_a_real_reinvite_kept_for_after_remova
     let wv = Watch::new(&v);
     let g = group_of(&a, &[(&v, &wv)], &u).await;
     let (e0, _) = agree(&[&a, &v], g).await;
-    // V's probe after joining is answered first: told later that the group
-    // moved on, V would read the log to check, and with its reads held
-    // (the fault below) would strand rather than see its removal.
-    let deadline = tokio::time::Instant::now() + WAIT;
-    while v.manager().record(g).unwrap().probe_owed {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "V's probe after joining never concluded"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    probe_concluded(&v, g).await;
 
     v.manager().faults().no_pull.store(true, SeqCst);
     a.remove(g, v.id()).await.unwrap();
     invite_with_retry(&a, g, v.id()).await;
     let records = Records::new(kv.clone());
     let deadline = tokio::time::Instant::now() + WAIT;
-    while records.pending_welcome(&g).unwrap().is_none() {
+    while records.pending_welcomes(&g).unwrap().is_empty() {
         assert!(
             tokio::time::Instant::now() < deadline,
             "the real re-invite never arrived"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let real = records.pending_welcome(&g).unwrap().unwrap();
+    let real = records.pending_welcomes(&g).unwrap();
 
     let attacker = Raw::connect(&hub, 9101).await;
     let env = attackers_welcome(&attacker, v.id(), g, e0 + 5, hub.url()).await;
@@ -1083,8 +1077,7 @@ async fn a_same_id_welcome_never_displaces_a_real_reinvite_kept_for_after_remova
     // Give V the time to handle it (it is kept aside, or refused: nothing
     // to see from outside either way).
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    let kept = records.pending_welcome(&g).unwrap();
-    let displaced = kept.as_deref() != Some(real.as_slice());
+    let displaced = records.pending_welcomes(&g).unwrap() != real;
 
     // V reads its removal, then joins what it kept.
     v.manager().faults().no_pull.store(false, SeqCst);
@@ -1123,6 +1116,140 @@ async fn a_same_id_welcome_never_displaces_a_real_reinvite_kept_for_after_remova
         "the attacker's Welcome replaced the real one kept aside"
     );
     message_reaches(&a, &[&wv], g, b"back in the real group").await;
+}
+
+/// A member not yet known here as an admin may be one (its grant among
+/// the commits V has yet to read): V keeps its Welcome aside, one per
+/// inviter, and judges it by the ledger as it stood at V's removal
+/// (simulation seed 37: V refused the real re-invite of a member granted
+/// admin just before, and stayed out of the group for good).
+///
+/// A granted B removes V and invites it back while V's reads are held; V
+/// gets B's Welcome while it still holds the group and sees B as a plain
+/// member. Once V reads on, it sees the grant and its removal, and joins.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reinvite_from_a_member_granted_admin_unseen_is_kept_and_joined() {
+    let hub = hub().await;
+    let u = vec![hub.url().to_string()];
+    let a = TestDevice::open(&u).await.unwrap();
+    let b = TestDevice::open(&u).await.unwrap();
+    let (v, kv) = device_with_store(&u).await;
+    let (wb, wv) = (Watch::new(&b), Watch::new(&v));
+    let g = group_of(&a, &[(&b, &wb), (&v, &wv)], &u).await;
+    agree(&[&a, &b, &v], g).await;
+    probe_concluded(&v, g).await;
+
+    v.manager().faults().no_pull.store(true, SeqCst);
+    a.grant_admin(g, b.id()).await.unwrap();
+    agree(&[&a, &b], g).await;
+    b.remove(g, v.id()).await.unwrap();
+    invite_with_retry(&b, g, v.id()).await;
+    let records = Records::new(kv.clone());
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while records.pending_welcomes(&g).unwrap().is_empty() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "B's re-invite was not kept aside; events: {:?}",
+            wv.snapshot()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    v.manager().faults().no_pull.store(false, SeqCst);
+    let _ = v.manager().pull(g).await;
+    wv.until(
+        "V removed",
+        |e| matches!(e, Event::Removed { group } if *group == g),
+    )
+    .await;
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while wv.joined(g) < 2 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "V never joined again; events: {:?}",
+            wv.snapshot()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    agree(&[&a, &b, &v], g).await;
+    assert!(records.pending_welcomes(&g).unwrap().is_empty());
+    message_reaches(&b, &[&wv], g, b"back in").await;
+}
+
+/// A member that is not an admin cannot bring a removed member into a
+/// group of its own under the real id: its Welcome is kept aside (it may
+/// have been an admin by commits V had yet to read), but at V's removal
+/// the ledger says it was not one, and it is refused; V holds nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plain_members_same_id_welcome_kept_aside_is_refused_at_removal() {
+    let hub = hub().await;
+    let u = vec![hub.url().to_string()];
+    let a = TestDevice::open(&u).await.unwrap();
+    let (m, mkv) = device_with_store(&u).await;
+    let (v, kv) = device_with_store(&u).await;
+    let (wm, wv) = (Watch::new(&m), Watch::new(&v));
+    let g = group_of(&a, &[(&m, &wm), (&v, &wv)], &u).await;
+    let (e0, _) = agree(&[&a, &m, &v], g).await;
+    probe_concluded(&v, g).await;
+
+    // M, a plain member, builds a group of its own under the real id and
+    // invites V with its own signed envelope.
+    let m_key = DeviceIdentity::load(&*mkv)
+        .unwrap()
+        .expect("M's identity")
+        .signing_key()
+        .clone();
+    let raw_m = Raw::connect_as(&hub, m_key).await;
+    assert_eq!(raw_m.id(), m.id());
+    v.manager().faults().no_pull.store(true, SeqCst);
+    let env = attackers_welcome(&raw_m, v.id(), g, e0 + 5, hub.url()).await;
+    raw_m
+        .client
+        .publish(mailbox_publish(&welcome_topic(&v.id()), env.encode()))
+        .await
+        .unwrap();
+    let records = Records::new(kv.clone());
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while records.pending_welcomes(&g).unwrap().is_empty() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "M's Welcome, from a member, was not kept aside"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    a.remove(g, v.id()).await.unwrap();
+
+    v.manager().faults().no_pull.store(false, SeqCst);
+    let _ = v.manager().pull(g).await;
+    wv.until(
+        "V removed",
+        |e| matches!(e, Event::Removed { group } if *group == g),
+    )
+    .await;
+    wv.until(
+        "M's kept Welcome refused",
+        |e| matches!(e, Event::WelcomeRefused { group: Some(x), reason } if *x == g && reason.contains("not its admin")),
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(wv.joined(g), 1, "V never joined M's group");
+    assert!(v.groups().unwrap().is_empty());
+    assert!(records.group(&g).unwrap().is_none());
+    assert!(records.pending_welcomes(&g).unwrap().is_empty());
+}
+
+/// Wait until `d`'s probe after joining `g` concluded: told later that
+/// the group moved on, a device whose reads a test holds would strand
+/// rather than see what the test wants it to see.
+async fn probe_concluded(d: &TestDevice, g: GroupId) {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while d.manager().record(g).unwrap().probe_owed {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the probe after joining never concluded"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 // ---------------------------------------------------------------------------
@@ -1263,7 +1390,7 @@ async fn a_flood_of_envelopes_for_unknown_groups_leaves_no_state() {
     assert_eq!(v.groups().unwrap(), vec![g]);
     for id in &ids {
         assert!(records.group(id).unwrap().is_none());
-        assert!(records.pending_welcome(id).unwrap().is_none());
+        assert!(records.pending_welcomes(id).unwrap().is_empty());
     }
     let new: Vec<&Vec<u8>> = keys1.iter().filter(|k| !keys0.contains(k)).collect();
     for id in ids.iter().step_by(97) {

@@ -419,6 +419,17 @@ fn all_faults_move_given_back_to_a_restored_former_hub_however_old() {
     holds_with_all_faults(75);
 }
 
+/// Seed 37: a member granted admin removed dev2 and invited it back while
+/// dev2 was far behind; dev2, still holding the group and not having read
+/// the grant, refused the re-invite outright (not from an admin, as far as
+/// it knew) and after reading its removal was out of the group for good.
+/// A member's Welcome for a held group is now kept aside, one per
+/// inviter, and judged by the ledger as it stood at the removal.
+#[test]
+fn all_faults_reinvite_from_a_member_granted_admin_unseen_is_joined() {
+    holds_with_all_faults(37);
+}
+
 fn holds_with_all_faults(seed: u64) -> serde_json::Value {
     let r = run_in_process(seed, 30, "all");
     assert_eq!(r["violations"], serde_json::json!([]), "seed {seed}");

@@ -165,9 +165,11 @@ pub enum Event {
         /// The group.
         group: GroupId,
     },
-    /// A Welcome addressed to this device was refused (it does not verify,
-    /// or it names a group this device holds and its inviter is not that
-    /// group's admin). Nothing was joined or changed.
+    /// A Welcome addressed to this device was refused: it does not verify,
+    /// or it names a group this device holds and its inviter is neither an
+    /// admin nor a member of that group, or it was kept aside while this
+    /// device held the group and its inviter was not an admin when this
+    /// device saw its removal. Nothing was joined or changed.
     WelcomeRefused {
         /// The group the envelope names, when it could be read.
         group: Option<GroupId>,

@@ -28,6 +28,10 @@ const SENDS_PER_PRUNE: usize = 64;
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
+/// An app frame as it arrived: its bytes and, when it came from a hub,
+/// that hub and the topic (see [`GroupPeerManager::receive_app`]).
+pub type AppFrame<'a> = (&'a [u8], Option<(&'a str, &'a TopicId)>);
+
 /// At most how many frames a peer takes from its queue at once; app
 /// frames among them are made durable in one flush.
 const RECEIVE_BATCH: usize = 64;
@@ -249,7 +253,7 @@ impl GroupPeerManager {
         hub: &str,
         run: Vec<Item>,
     ) -> Vec<crate::wire::FrameRef> {
-        let frames: Vec<(&[u8], Option<(&str, &TopicId)>)> = run
+        let frames: Vec<AppFrame<'_>> = run
             .iter()
             .map(|i| (i.payload.as_slice(), Some((hub, &i.topic))))
             .collect();
@@ -451,6 +455,12 @@ impl GroupPeerManager {
         guard: &mut GroupGuard,
         group: GroupId,
     ) -> Result<(), DeviceError> {
+        // Who may have invited us back, as the group stood when we left
+        // it: an admin by the ledger up to our removal.
+        let ledger = match self.shared.records.group(&group)? {
+            Some(rec) if rec.ledger_complete => self.ledger_state(&rec).ok(),
+            _ => None,
+        };
         guard.discard();
         let purge = guard.with(|g, p| {
             let _ = g.delete(p.storage());
@@ -462,18 +472,73 @@ impl GroupPeerManager {
         guard.finish(b)?;
         guard.discard();
         self.remove_group(group).await;
-        // A Welcome that arrived while we still held the group (we were
+        // Welcomes that arrived while we still held the group (we were
         // removed and invited again before seeing the removal) can now be
-        // joined.
-        if let Some(bytes) = self.shared.records.pending_welcome(&group)? {
+        // joined: those of an admin, tried in turn until one joins.
+        let kept = self.shared.records.pending_welcomes(&group)?;
+        if !kept.is_empty() {
             let me = self.clone();
             self.shared.tasks.spawn(async move {
-                if let Err(e) = me.accept_welcome(&bytes).await {
-                    tracing::warn!(%group, error = %e, "the Welcome kept for after our removal was refused");
-                }
+                me.join_kept_welcomes(group, kept, ledger).await;
             });
         }
         Ok(())
+    }
+
+    /// Join the first of `kept` (Welcomes kept aside while this device
+    /// held `group`) whose inviter was an admin by `ledger`, the group's
+    /// ledger up to this device's removal; every one not joined is
+    /// reported as refused, and none stays kept.
+    async fn join_kept_welcomes(
+        &self,
+        group: GroupId,
+        kept: Vec<Vec<u8>>,
+        ledger: Option<crate::device::ledger::LedgerState>,
+    ) {
+        let mut joined = false;
+        for bytes in kept {
+            let refused = if joined {
+                None
+            } else {
+                match WelcomeEnvelope::open(&bytes) {
+                    Ok(env) if !ledger.as_ref().is_some_and(|l| l.is_admin(&env.inviter)) => Some(
+                        "a Welcome kept while this device held the group, from a device that was not its admin".to_string(),
+                    ),
+                    Ok(_) => match self.accept_welcome(&bytes).await {
+                        Ok(()) => {
+                            joined = self.shared.records.group(&group).ok().flatten().is_some();
+                            None
+                        }
+                        Err(e) => Some(e.to_string()),
+                    },
+                    Err(e) => Some(e.to_string()),
+                }
+            };
+            if let Some(reason) = refused {
+                tracing::warn!(%group, %reason, "a Welcome kept for after our removal was refused");
+                self.emit(Event::WelcomeRefused {
+                    group: Some(group),
+                    reason,
+                });
+            }
+        }
+        if !joined {
+            let mut b = WriteBatch::new();
+            let kv = self.shared.registry.provider().kv();
+            let cleared = self
+                .shared
+                .records
+                .clear_pending_welcomes(&mut b, &group)
+                .and_then(|()| kv.apply(&b))
+                .and_then(|()| kv.flush());
+            if let Err(e) = cleared {
+                self.shared
+                    .counters
+                    .control_failures
+                    .fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(%group, error = %e, "kept Welcomes not cleared");
+            }
+        }
     }
 
     /// Handle one app frame: deduplicate, decrypt, deliver once. `via` names
@@ -503,7 +568,7 @@ impl GroupPeerManager {
     pub async fn receive_apps(
         &self,
         group: GroupId,
-        frames: &[(&[u8], Option<(&str, &TopicId)>)],
+        frames: &[AppFrame<'_>],
     ) -> Result<(), DeviceError> {
         if self.shared.faults.panic_on_receive.load(Ordering::Relaxed) {
             panic!("test fault: panic on receive");
@@ -737,30 +802,43 @@ impl GroupPeerManager {
     /// joined: a repeat, or a Welcome for a group this device still holds.
     ///
     /// A Welcome never takes a group away (DESIGN.md section 9): for a
-    /// group id this device holds, it is kept aside (one per group, the
-    /// latest) and tried only once the device has seen its own removal.
+    /// group id this device holds, from an admin or a member, it is kept
+    /// aside (one per inviter, the latest) and tried only once the device
+    /// has seen its own removal, if its inviter was an admin by then.
     /// Nothing about the group (lock slot, records, MLS state) is created
     /// before the Welcome and every leaf of its tree verify: the Welcome is
     /// processed in an overlay that is dropped whole on any refusal.
     pub(super) async fn join(&self, env: &WelcomeEnvelope) -> Result<bool, DeviceError> {
         if let Some(rec) = self.shared.records.group(&env.group)? {
-            // Kept only from an admin of the group we hold: a stranger's
-            // envelope must not take the place of a real re-invite, nor
-            // become the group we join once we see our removal.
+            // Kept only from an admin or a member of the group we hold, one
+            // per inviter: a stranger's envelope must not take the place
+            // of a real re-invite, nor become the group we join once we
+            // see our removal. A member not yet an admin here may be one
+            // by commits this device has yet to read (the grant before
+            // our removal and the re-invite): its Welcome is judged again
+            // by the ledger as it stood at our removal.
             let admin = rec.ledger_complete
                 && self
                     .ledger_state(&rec)
                     .is_ok_and(|l| l.is_admin(&env.inviter));
-            if !admin {
+            let member = admin || {
+                let mut guard = self.shared.registry.lock(env.group).await;
+                self.member_set(&mut guard)
+                    .is_ok_and(|m| m.contains(&env.inviter))
+            };
+            if !member || !rec.ledger_complete {
                 return Err(DeviceError::Mls(
                     "a Welcome for a group this device holds, from a device that is not its admin"
                         .into(),
                 ));
             }
             let mut b = WriteBatch::new();
-            self.shared
-                .records
-                .put_pending_welcome(&mut b, &env.group, &env.encode());
+            self.shared.records.put_pending_welcome(
+                &mut b,
+                &env.group,
+                &env.inviter,
+                &env.encode(),
+            );
             let kv = self.shared.registry.provider().kv();
             kv.apply(&b)?;
             kv.flush()?;
@@ -876,7 +954,7 @@ impl GroupPeerManager {
             .put_ledger(&mut b, &env.group, 0, &encoded);
         self.shared
             .records
-            .clear_pending_welcome(&mut b, &env.group);
+            .clear_pending_welcomes(&mut b, &env.group)?;
         guard.finish(b)?;
         let epoch = guard.read(|g| g.epoch().as_u64())?;
         let members = self.members_of(&mut guard)?;

@@ -502,23 +502,48 @@ impl Records {
         Ok(())
     }
 
-    /// The Welcome envelope kept for a group this device held when it
-    /// arrived (at most one per group: the latest).
+    /// The Welcome envelopes kept for a group this device held when they
+    /// arrived: at most one per inviter (its latest), in inviter order.
     ///
     /// # Errors
     /// The store's error.
-    pub fn pending_welcome(&self, group: &GroupId) -> Result<Option<Vec<u8>>, KvError> {
-        self.kv.get(&key(PENDING_WELCOME, group, &[]))
+    pub fn pending_welcomes(&self, group: &GroupId) -> Result<Vec<Vec<u8>>, KvError> {
+        Ok(self
+            .kv
+            .scan_prefix(&key(PENDING_WELCOME, group, &[]), usize::MAX)?
+            .into_iter()
+            .map(|(_, v)| v)
+            .collect())
     }
 
-    /// Stage a Welcome envelope to try once the group is left.
-    pub fn put_pending_welcome(&self, batch: &mut WriteBatch, group: &GroupId, envelope: &[u8]) {
-        batch.put(key(PENDING_WELCOME, group, &[]), envelope.to_vec());
+    /// Stage `inviter`'s Welcome envelope to try once the group is left
+    /// (replacing that inviter's earlier one).
+    pub fn put_pending_welcome(
+        &self,
+        batch: &mut WriteBatch,
+        group: &GroupId,
+        inviter: &DeviceId,
+        envelope: &[u8],
+    ) {
+        batch.put(key(PENDING_WELCOME, group, &inviter.0), envelope.to_vec());
     }
 
-    /// Stage the end of a kept Welcome.
-    pub fn clear_pending_welcome(&self, batch: &mut WriteBatch, group: &GroupId) {
-        batch.delete(key(PENDING_WELCOME, group, &[]));
+    /// Stage the end of every Welcome kept for `group`.
+    ///
+    /// # Errors
+    /// The store's error.
+    pub fn clear_pending_welcomes(
+        &self,
+        batch: &mut WriteBatch,
+        group: &GroupId,
+    ) -> Result<(), KvError> {
+        for (k, _) in self
+            .kv
+            .scan_prefix(&key(PENDING_WELCOME, group, &[]), usize::MAX)?
+        {
+            batch.delete(k);
+        }
+        Ok(())
     }
 
     /// Stage the Welcome publish this device made for `joiner`, kept while
