@@ -1138,6 +1138,15 @@ async fn a_reinvite_from_a_member_granted_admin_unseen_is_kept_and_joined() {
     let g = group_of(&a, &[(&b, &wb), (&v, &wv)], &u).await;
     agree(&[&a, &b, &v], g).await;
     probe_concluded(&v, g).await;
+    message_reaches(&a, &[&wv], g, b"before the removal").await;
+    let before = wv
+        .snapshot()
+        .into_iter()
+        .find_map(|e| match e {
+            Event::MessageReceived { id, body, .. } if body == b"before the removal" => Some(id),
+            _ => None,
+        })
+        .expect("the message's id");
 
     v.manager().faults().no_pull.store(true, SeqCst);
     a.grant_admin(g, b.id()).await.unwrap();
@@ -1174,6 +1183,16 @@ async fn a_reinvite_from_a_member_granted_admin_unseen_is_kept_and_joined() {
     agree(&[&a, &b, &v], g).await;
     assert!(records.pending_welcomes(&g).unwrap().is_empty());
     message_reaches(&b, &[&wv], g, b"back in").await;
+    // What V delivered before its removal stays known by id: sent again
+    // under that id (a member back from far behind does), it is a
+    // duplicate, not a second delivery (sim seed 335).
+    assert!(
+        records
+            .message(&hubsync::kv::WriteBatch::new(), &g, &before)
+            .unwrap()
+            .is_some(),
+        "the message-id mark outlived the removal"
+    );
 }
 
 /// A member that is not an admin cannot bring a removed member into a

@@ -430,6 +430,15 @@ fn all_faults_reinvite_from_a_member_granted_admin_unseen_is_joined() {
     holds_with_all_faults(37);
 }
 
+/// Seed 335: dev2 was removed and invited back; a member back from a
+/// long outage then sent again, under its id, a message dev2 had
+/// delivered before its removal, and dev2 delivered it twice: leaving the
+/// group had deleted its message-id marks. They now stay.
+#[test]
+fn all_faults_a_message_sent_again_to_a_member_invited_back_is_not_repeated() {
+    holds_with_all_faults(335);
+}
+
 fn holds_with_all_faults(seed: u64) -> serde_json::Value {
     let r = run_in_process(seed, 30, "all");
     assert_eq!(r["violations"], serde_json::json!([]), "seed {seed}");

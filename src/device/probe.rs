@@ -507,7 +507,20 @@ impl GroupPeerManager {
                     wait = RETRY_FIRST;
                     continue;
                 }
-                let owed = me.record(group).map(|r| r.probe_owed).unwrap_or(false);
+                let owed = match me.record(group) {
+                    Ok(r) => r.probe_owed,
+                    // The group is gone: nothing is owed.
+                    Err(DeviceError::UnknownGroup(_)) => false,
+                    // Still owed in the record: the next start runs it.
+                    Err(e) => {
+                        me.shared
+                            .counters
+                            .control_failures
+                            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        tracing::warn!(%group, error = %e, "whether a probe is still owed could not be read");
+                        false
+                    }
+                };
                 if result.is_err() || !owed {
                     break;
                 }

@@ -400,7 +400,12 @@ impl Records {
         batch.put(key(GROUP, &r.id, &[]), json(r));
     }
 
-    /// Stage the removal of a group's record and inbox.
+    /// Stage the removal of a group's record, frame marks and the rest of
+    /// its state. Its message-id marks stay: a device invited back into
+    /// the group may be sent a message it already delivered (a member
+    /// sends again what a lost branch or a long absence may have hidden,
+    /// under the same id), and the app's inbox, which also stays, already
+    /// has it.
     ///
     /// # Errors
     /// The store's error.
@@ -408,7 +413,7 @@ impl Records {
         batch.delete(key(GROUP, id, &[]));
         batch.delete(key(JOURNAL, id, &[]));
         batch.delete(key(SENT_PRUNED, id, &[]));
-        for prefix in [INBOX, MESSAGE, FUTURE, LEDGER, APP_CURSOR, SENT, INVITED] {
+        for prefix in [INBOX, FUTURE, LEDGER, APP_CURSOR, SENT, INVITED] {
             for (k, _) in self.kv.scan_prefix(&key(prefix, id, &[]), usize::MAX)? {
                 batch.delete(k);
             }
