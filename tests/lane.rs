@@ -1163,6 +1163,13 @@ async fn a_former_commit_hub_restored_from_before_the_move_is_given_the_move_bac
     let g = group_of(&a, &[(&b, &wb)], &u).await;
     agree(&[&a, &b], g).await;
     assert_eq!(a.manager().record(g).unwrap().commit_hub, u[0]);
+    // b's probe after joining is answered now: owed at its reopen, it
+    // would ask a, hear of a later epoch before a gave the move back, and
+    // strand (and rejoin) instead of following the move.
+    eventually("b's probe after joining concluded", || {
+        !b.manager().record(g).unwrap().probe_owed
+    })
+    .await;
 
     // A copy of h0 from before the move.
     h0.stop().await;
