@@ -1080,21 +1080,7 @@ async fn a_same_id_welcome_never_displaces_a_real_reinvite_kept_for_after_remova
     let displaced = records.pending_welcomes(&g).unwrap() != real;
 
     // V reads its removal, then joins what it kept.
-    v.manager().faults().no_pull.store(false, SeqCst);
-    let _ = v.manager().pull(g).await;
-    wv.until(
-        "V removed",
-        |e| matches!(e, Event::Removed { group } if *group == g),
-    )
-    .await;
-    let deadline = tokio::time::Instant::now() + WAIT;
-    while wv.joined(g) < 2 {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "V never joined again"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    reads_its_removal_and_joins_again(&v, &wv, g).await;
     let (ea, auth_a) = agree(&[&a], g).await;
     let deadline = tokio::time::Instant::now() + WAIT;
     loop {
@@ -1164,22 +1150,7 @@ async fn a_reinvite_from_a_member_granted_admin_unseen_is_kept_and_joined() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 
-    v.manager().faults().no_pull.store(false, SeqCst);
-    let _ = v.manager().pull(g).await;
-    wv.until(
-        "V removed",
-        |e| matches!(e, Event::Removed { group } if *group == g),
-    )
-    .await;
-    let deadline = tokio::time::Instant::now() + WAIT;
-    while wv.joined(g) < 2 {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "V never joined again; events: {:?}",
-            wv.snapshot()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    reads_its_removal_and_joins_again(&v, &wv, g).await;
     agree(&[&a, &b, &v], g).await;
     assert!(records.pending_welcomes(&g).unwrap().is_empty());
     message_reaches(&b, &[&wv], g, b"back in").await;
@@ -1238,13 +1209,7 @@ async fn a_plain_members_same_id_welcome_kept_aside_is_refused_at_removal() {
     }
     a.remove(g, v.id()).await.unwrap();
 
-    v.manager().faults().no_pull.store(false, SeqCst);
-    let _ = v.manager().pull(g).await;
-    wv.until(
-        "V removed",
-        |e| matches!(e, Event::Removed { group } if *group == g),
-    )
-    .await;
+    reads_its_removal(&v, &wv, g).await;
     wv.until(
         "M's kept Welcome refused",
         |e| matches!(e, Event::WelcomeRefused { group: Some(x), reason } if *x == g && reason.contains("not its admin")),
@@ -1255,6 +1220,32 @@ async fn a_plain_members_same_id_welcome_kept_aside_is_refused_at_removal() {
     assert!(v.groups().unwrap().is_empty());
     assert!(records.group(&g).unwrap().is_none());
     assert!(records.pending_welcomes(&g).unwrap().is_empty());
+}
+
+/// V's reads, held by the test, go on: it sees its removal from `g`.
+async fn reads_its_removal(v: &TestDevice, wv: &Watch, g: GroupId) {
+    v.manager().faults().no_pull.store(false, SeqCst);
+    let _ = v.manager().pull(g).await;
+    wv.until(
+        "V removed",
+        |e| matches!(e, Event::Removed { group } if *group == g),
+    )
+    .await;
+}
+
+/// As [`reads_its_removal`], then V joins `g` again from a Welcome it
+/// kept aside.
+async fn reads_its_removal_and_joins_again(v: &TestDevice, wv: &Watch, g: GroupId) {
+    reads_its_removal(v, wv, g).await;
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while wv.joined(g) < 2 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "V never joined again; events: {:?}",
+            wv.snapshot()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 /// Wait until `d`'s probe after joining `g` concluded: told later that

@@ -483,23 +483,53 @@ impl hubsync::transport::Connector for Switch {
     }
 }
 
-/// Frames handled together under one flush (a burst a peer found waiting)
-/// are delivered as one at a time would be: in order, each once, a frame
-/// repeated within the run counted as a duplicate, not delivered twice.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_run_of_frames_under_one_flush_delivers_each_once_in_order() {
+/// A group of a and b on one hub, b connecting through a `Switch`; b is
+/// closed and cut off from the hub (reopened, it cannot connect until the
+/// switch is restored).
+struct CutOff {
+    hubs: Vec<TestHub>,
+    a: TestDevice,
+    b: TestDevice,
+    switch: Switch,
+    g: GroupId,
+}
+
+async fn member_cut_off(configure: impl FnOnce(&mut hubsync::device::DeviceOptions)) -> CutOff {
     let hubs = hubs(1).await;
     let u = urls(&hubs);
     let a = TestDevice::open(&u).await.unwrap();
     let switch = Switch::default();
     let mut ob = hubsync::testkit::device_options(&u);
     ob.connector = std::sync::Arc::new(switch.clone());
+    configure(&mut ob);
     let mut b = TestDevice::open_with(ob).await.unwrap();
     let mut ib = Inbox::new(&b);
     let g = group_of(&a, &mut [(&b, &mut ib)], &u).await;
     converge(&[&a, &b], g).await;
     b.close().await;
     switch.cut.store(true, std::sync::atomic::Ordering::SeqCst);
+    CutOff {
+        hubs,
+        a,
+        b,
+        switch,
+        g,
+    }
+}
+
+/// Frames handled together under one flush (a burst a peer found waiting)
+/// are delivered as one at a time would be: in order, each once, a frame
+/// repeated within the run counted as a duplicate, not delivered twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_of_frames_under_one_flush_delivers_each_once_in_order() {
+    let CutOff {
+        hubs,
+        a,
+        mut b,
+        switch,
+        g,
+        ..
+    } = member_cut_off(|_| {}).await;
     for body in [&b"one"[..], b"two", b"three"] {
         a.send(g, body).await.unwrap();
     }
@@ -575,19 +605,13 @@ async fn a_run_of_frames_under_one_flush_delivers_each_once_in_order() {
 
 /// b sees a's message from the next epoch before the commit that opens it.
 async fn future_frame_case(mode: hubsync::device::FutureFrames) -> (Inbox, TestDevice) {
-    let hubs = hubs(1).await;
-    let u = urls(&hubs);
-    let a = TestDevice::open(&u).await.unwrap();
-    let switch = Switch::default();
-    let mut ob = hubsync::testkit::device_options(&u);
-    ob.connector = std::sync::Arc::new(switch.clone());
-    ob.manager.future_frames = mode;
-    let mut b = TestDevice::open_with(ob).await.unwrap();
-    let mut ib = Inbox::new(&b);
-    let g = group_of(&a, &mut [(&b, &mut ib)], &u).await;
-    converge(&[&a, &b], g).await;
-    b.close().await;
-    switch.cut.store(true, std::sync::atomic::Ordering::SeqCst);
+    let CutOff {
+        hubs,
+        a,
+        mut b,
+        switch,
+        g,
+    } = member_cut_off(|o| o.manager.future_frames = mode).await;
     a.rotate_keys(g).await.unwrap();
     a.send(g, b"from the future").await.unwrap();
     // Read the frame off the hub as any client could.
@@ -873,18 +897,7 @@ async fn every_event_subscription_gets_the_same_events_from_when_it_subscribed()
 /// sees it, not only logged: most pulls run in the background.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_pull_is_counted_in_the_device_stats() {
-    let hubs = hubs(1).await;
-    let u = urls(&hubs);
-    let a = TestDevice::open(&u).await.unwrap();
-    let switch = Switch::default();
-    let mut ob = hubsync::testkit::device_options(&u);
-    ob.connector = std::sync::Arc::new(switch.clone());
-    let mut b = TestDevice::open_with(ob).await.unwrap();
-    let mut ib = Inbox::new(&b);
-    let g = group_of(&a, &mut [(&b, &mut ib)], &u).await;
-    converge(&[&a, &b], g).await;
-    b.close().await;
-    switch.cut.store(true, std::sync::atomic::Ordering::SeqCst);
+    let CutOff { mut b, g, .. } = member_cut_off(|_| {}).await;
     b.reopen().await.unwrap();
     let before = b.stats().pull_failures;
     let r = b.manager().pull(g).await;
