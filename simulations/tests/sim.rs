@@ -439,6 +439,27 @@ fn all_faults_a_message_sent_again_to_a_member_invited_back_is_not_repeated() {
     holds_with_all_faults(335);
 }
 
+/// Seed 718: a hub restored from an older copy lost an invite and its
+/// Welcome. A member that read that invite gave the lost commit back
+/// before the inviter's own check came round, so the inviter never saw
+/// the rewind in that group and the joiner never got its Welcome. The
+/// inviter saw the same hub rewind in its other group: a rewind is the
+/// hub's, and the Welcomes of every group there are now posted again.
+#[test]
+fn all_faults_a_welcome_lost_in_a_rewind_another_member_healed_is_posted_again() {
+    holds_with_all_faults(718);
+}
+
+/// Seed 802: a hub came back from an older copy of its store, without a
+/// member's subscription, and two messages were published before that
+/// member's link made it again; the hub never pushed them, and only a
+/// rewind the member saw would have read the log. Now every new
+/// connection reads the app logs from the cursor the pushes moved.
+#[test]
+fn all_faults_messages_published_before_a_lost_subscription_is_made_again_arrive() {
+    holds_with_all_faults(802);
+}
+
 fn holds_with_all_faults(seed: u64) -> serde_json::Value {
     let r = run_in_process(seed, 30, "all");
     assert_eq!(r["violations"], serde_json::json!([]), "seed {seed}");

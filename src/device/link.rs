@@ -306,6 +306,8 @@ struct Shared {
     status: watch::Sender<LinkStatus>,
     /// The store identity of the last connection that came up.
     store_id: watch::Sender<Option<StoreId>>,
+    /// How many connections have come up (see [`HubLink::connections`]).
+    connections: watch::Sender<u64>,
     conn: watch::Sender<Conn>,
     state: Mutex<State>,
     /// Serialises hub subscribe/unsubscribe requests, so the last desired
@@ -812,6 +814,7 @@ async fn run(shared: Arc<Shared>) {
         });
         shared.conn.send_replace(Conn::Up(client.clone()));
         shared.set_status(LinkStatus::Connected);
+        shared.connections.send_modify(|n| *n += 1);
         shared.sub_wake.notify_one();
         tracing::info!("hub link connected");
         let end = session(&shared, &client, pushes, &mut backoff, &mut attempt).await;
@@ -1003,6 +1006,7 @@ impl HubLink {
             rng,
             status,
             store_id,
+            connections: watch::Sender::new(0),
             conn,
             state: Mutex::new(State::default()),
             sub_lock: tokio::sync::Mutex::new(()),
@@ -1050,6 +1054,15 @@ impl HubLink {
     /// identity, so this does not change for it; compare heads as well.
     pub fn store_id(&self) -> watch::Receiver<Option<StoreId>> {
         self.shared().store_id.subscribe()
+    }
+
+    /// How many connections have come up since the link was made, as it
+    /// changes. Unlike [`Self::status`], whose watchers may see only the
+    /// last of a quick down and up, every new connection moves it: what the
+    /// hub pushed to the one before may have a gap before what the new one
+    /// pushes, if the hub lost subscriptions in between.
+    pub fn connections(&self) -> watch::Receiver<u64> {
+        self.shared().connections.subscribe()
     }
 
     /// Whether a connection is up right now (a request made now is sent at

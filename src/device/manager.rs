@@ -196,9 +196,17 @@ pub struct GroupPeer {
     hub: String,
     link: HubLink,
     cancel: CancellationToken,
+    /// Asks the peer to read its app topics' logs again.
+    recatch: Arc<tokio::sync::Notify>,
 }
 
 impl GroupPeer {
+    /// Have the peer read its app topics' logs again from their cursors
+    /// (at once, or after the reads in progress).
+    pub(super) fn recatch_app_logs(&self) {
+        self.recatch.notify_one();
+    }
+
     /// The group.
     pub fn group(&self) -> GroupId {
         self.group
@@ -854,18 +862,21 @@ impl GroupPeerManager {
         };
         let link = self.hub_link(hub);
         let cancel = self.shared.shutdown.child_token();
+        let recatch = Arc::new(tokio::sync::Notify::new());
         let peer = GroupPeer {
             group,
             hub: hub.to_string(),
             link: link.clone(),
             cancel: cancel.clone(),
+            recatch: recatch.clone(),
         };
         lock(&self.shared.peers).insert(key, peer);
         let me = self.clone();
         let hub = hub.to_string();
-        self.shared
-            .tasks
-            .spawn(async move { me.run_peer(group, hub, link, topics_rx, cancel).await });
+        self.shared.tasks.spawn(async move {
+            me.run_peer(group, hub, link, topics_rx, cancel, recatch)
+                .await
+        });
     }
 
     /// The peer for one (group, hub), if it exists.

@@ -25,12 +25,25 @@ use std::time::Duration;
 
 /// Kept sent messages are pruned once every this many sends in a group.
 const SENDS_PER_PRUNE: usize = 64;
-use tokio::sync::{mpsc, watch};
+use std::sync::Arc;
+use tokio::sync::{mpsc, watch, Notify};
 use tokio_util::sync::CancellationToken;
 
+/// Where an app frame came from: the hub, the topic, and the frame's
+/// sequence number in that topic's log there.
+#[derive(Clone, Copy, Debug)]
+pub struct Via<'a> {
+    /// The hub's URL.
+    pub hub: &'a str,
+    /// The app topic.
+    pub topic: &'a TopicId,
+    /// Its sequence number in that topic on that hub.
+    pub seq: u64,
+}
+
 /// An app frame as it arrived: its bytes and, when it came from a hub,
-/// that hub and the topic (see [`GroupPeerManager::receive_app`]).
-pub type AppFrame<'a> = (&'a [u8], Option<(&'a str, &'a TopicId)>);
+/// where from (see [`GroupPeerManager::receive_app`]).
+pub type AppFrame<'a> = (&'a [u8], Option<Via<'a>>);
 
 /// At most how many frames a peer takes from its queue at once; app
 /// frames among them are made durable in one flush.
@@ -64,12 +77,40 @@ struct Item {
     ack: Option<crate::wire::FrameRef>,
 }
 
+/// What a peer's log reads need: where to read, when to stop, and where
+/// to say a read is done.
+struct LogReads<'a> {
+    group: GroupId,
+    hub: &'a str,
+    link: &'a HubLink,
+    cancel: &'a CancellationToken,
+    done: &'a mpsc::Sender<TopicId>,
+}
+
+/// At most how many pushed frames of one topic a peer holds while that
+/// topic's log is read; past it, the newest are let go unacked and the log
+/// is read once more before the held ones are handled (they are all in it).
+const HELD_MAX: usize = 1024;
+
+/// App frames pushed on a topic while its log is still being read from the
+/// catch-up cursor. They wait for the read to end, so a sender's later
+/// messages never reach the app before its earlier ones; the frames the read
+/// already handled are then found to be duplicates.
+#[derive(Default)]
+struct Held {
+    items: Vec<Item>,
+    /// Read the log once more before handling them: some pushes were let
+    /// go, or the log was asked for again while it was being read.
+    again: bool,
+}
+
 impl GroupPeerManager {
     /// The peer task of one (group, hub): keep the hub subscriptions equal to
     /// the group's topics and handle each arriving frame. The peer on the
     /// commit hub pulls at start, on every push of the commit topic, and on
     /// a timer that pushes do not reset, so a pull that failed under steady
-    /// traffic is still retried.
+    /// traffic is still retried. App topics are read from their logs when
+    /// subscribed, when the link comes back, and when `recatch` asks.
     pub(super) async fn run_peer(
         &self,
         group: GroupId,
@@ -77,8 +118,15 @@ impl GroupPeerManager {
         link: HubLink,
         mut topics_rx: watch::Receiver<GroupTopics>,
         cancel: CancellationToken,
+        recatch: Arc<Notify>,
     ) {
         let (tx, mut rx) = mpsc::channel::<Item>(256);
+        // Catch-ups report here when they are done; until then that topic's
+        // pushes are held.
+        let (caught_tx, mut caught_rx) = mpsc::channel::<TopicId>(16);
+        let mut catching: BTreeMap<TopicId, Held> = BTreeMap::new();
+        let mut connections = link.connections();
+        connections.borrow_and_update();
         let mut subs: BTreeMap<TopicId, tokio::task::JoinHandle<()>> = BTreeMap::new();
         let mut pulled_once = false;
         let mut tick = tokio::time::interval(PULL_INTERVAL);
@@ -124,13 +172,14 @@ impl GroupPeerManager {
                 if *topic != t.commit && Some(topic) != t.rendezvous.as_ref() {
                     // Frames published before we subscribed are only in
                     // the log: read it from where catch-up last stopped.
-                    self.spawn_catch_up(
+                    let logs = LogReads {
                         group,
-                        hub.clone(),
-                        link.clone(),
-                        topic.clone(),
-                        cancel.clone(),
-                    );
+                        hub: &hub,
+                        link: &link,
+                        cancel: &cancel,
+                        done: &caught_tx,
+                    };
+                    self.read_logs(&logs, std::slice::from_ref(topic), &mut catching);
                 }
             }
             let stale: Vec<TopicId> = subs
@@ -179,7 +228,54 @@ impl GroupPeerManager {
                             Err(_) => break,
                         }
                     }
-                    self.handle_items(group, &hub, &link, &t, items).await;
+                    // A new connection counts before it pushes anything:
+                    // some of these may be its pushes, which must wait for
+                    // the log reads (below) like any after them.
+                    if connections.has_changed().unwrap_or(false) {
+                        connections.borrow_and_update();
+                        let logs = LogReads { group, hub: &hub, link: &link, cancel: &cancel, done: &caught_tx };
+                        self.read_logs(&logs, &t.app, &mut catching);
+                    }
+                    let (wait, items): (Vec<Item>, Vec<Item>) =
+                        items.into_iter().partition(|i| catching.contains_key(&i.topic));
+                    for item in wait {
+                        if let Some(held) = catching.get_mut(&item.topic) {
+                            if held.items.len() < HELD_MAX {
+                                held.items.push(item);
+                            } else {
+                                held.again = true;
+                            }
+                        }
+                    }
+                    if !items.is_empty() {
+                        self.handle_items(group, &hub, &link, &t, items).await;
+                    }
+                }
+                Some(topic) = caught_rx.recv() => {
+                    let Some(held) = catching.remove(&topic) else { continue };
+                    if held.again {
+                        // Read the log again (it holds whatever was let
+                        // go) before the kept ones are handled.
+                        catching.insert(topic.clone(), Held { items: held.items, again: false });
+                        self.spawn_catch_up(group, hub.clone(), link.clone(), topic, cancel.clone(), caught_tx.clone());
+                    } else if !held.items.is_empty() {
+                        self.handle_items(group, &hub, &link, &t, held.items).await;
+                    }
+                }
+                // The hub may have lost this peer's subscriptions (it came
+                // back from an older copy of its store) or served another
+                // store meanwhile: what was published before the link made
+                // them again is only in the logs. Read each app topic from
+                // its cursor, which the pushes handled since moved on.
+                r = connections.changed() => {
+                    if r.is_err() { break }
+                    connections.borrow_and_update();
+                    let logs = LogReads { group, hub: &hub, link: &link, cancel: &cancel, done: &caught_tx };
+                    self.read_logs(&logs, &t.app, &mut catching);
+                }
+                _ = recatch.notified() => {
+                    let logs = LogReads { group, hub: &hub, link: &link, cancel: &cancel, done: &caught_tx };
+                    self.read_logs(&logs, &t.app, &mut catching);
                 }
             }
         }
@@ -255,7 +351,14 @@ impl GroupPeerManager {
     ) -> Vec<crate::wire::FrameRef> {
         let frames: Vec<AppFrame<'_>> = run
             .iter()
-            .map(|i| (i.payload.as_slice(), Some((hub, &i.topic))))
+            .map(|i| {
+                let via = i.ack.as_ref().map(|r| Via {
+                    hub,
+                    topic: &i.topic,
+                    seq: r.seq,
+                });
+                (i.payload.as_slice(), via)
+            })
             .collect();
         let all = self.receive_apps(group, &frames).await;
         let mut acks = Vec::new();
@@ -278,10 +381,37 @@ impl GroupPeerManager {
         acks
     }
 
+    /// Have each of `topics` read from its log on the peer's hub, holding
+    /// its pushes meanwhile; one already being read is read once more when
+    /// that read ends.
+    fn read_logs(
+        &self,
+        logs: &LogReads<'_>,
+        topics: &[TopicId],
+        catching: &mut BTreeMap<TopicId, Held>,
+    ) {
+        for topic in topics {
+            if let Some(held) = catching.get_mut(topic) {
+                held.again = true;
+                continue;
+            }
+            catching.insert(topic.clone(), Held::default());
+            self.spawn_catch_up(
+                logs.group,
+                logs.hub.to_string(),
+                logs.link.clone(),
+                topic.clone(),
+                logs.cancel.clone(),
+                logs.done.clone(),
+            );
+        }
+    }
+
     /// Read an app topic's log on this peer's hub from its catch-up cursor,
     /// once the subscription is in force (a frame published in between is
     /// then either in the log or pushed), retrying until it succeeds or the
-    /// peer goes away.
+    /// peer goes away; then say so on `done` (the peer's own), so the pushes the peer held
+    /// meanwhile are handled after what the log gave.
     pub(super) fn spawn_catch_up(
         &self,
         group: GroupId,
@@ -289,6 +419,7 @@ impl GroupPeerManager {
         link: HubLink,
         topic: TopicId,
         cancel: CancellationToken,
+        done: mpsc::Sender<TopicId>,
     ) {
         let me = self.clone();
         self.shared.tasks.spawn(async move {
@@ -308,8 +439,8 @@ impl GroupPeerManager {
                     }),
                 };
                 match r {
-                    Ok(()) => return,
-                    Err(e) if e.is_unknown_group() => return,
+                    Ok(()) => break,
+                    Err(e) if e.is_unknown_group() => break,
                     Err(e) => {
                         tracing::debug!(%group, hub = %hub, error = %e, "app catch-up failed; retrying");
                         tokio::select! {
@@ -318,6 +449,12 @@ impl GroupPeerManager {
                         }
                     }
                 }
+            }
+            // The peer handles what it held meanwhile (gone with the peer
+            // if it went away: then those frames were never acked).
+            tokio::select! {
+                _ = cancel.cancelled() => {}
+                _ = done.send(topic) => {}
             }
         });
     }
@@ -542,8 +679,11 @@ impl GroupPeerManager {
     }
 
     /// Handle one app frame: deduplicate, decrypt, deliver once. `via` names
-    /// the hub and topic it came on; with forwarding on, a frame delivered
-    /// here for the first time is re-broadcast to the group's other hubs.
+    /// where it came from; with forwarding on, a frame delivered here for
+    /// the first time is re-broadcast to the group's other hubs. Its `seq`
+    /// moves the topic's catch-up cursor on that hub up to it: the caller
+    /// promises that every earlier frame of the topic there was handled
+    /// (as a peer's stream does once the topic's log was read).
     ///
     /// # Errors
     /// `UnknownGroup` when the group is gone, or the store's error.
@@ -551,7 +691,7 @@ impl GroupPeerManager {
         &self,
         group: GroupId,
         payload: &[u8],
-        via: Option<(&str, &TopicId)>,
+        via: Option<Via<'_>>,
     ) -> Result<(), DeviceError> {
         self.receive_apps(group, &[(payload, via)]).await
     }
@@ -580,12 +720,22 @@ impl GroupPeerManager {
         let mut b = WriteBatch::new();
         let mut events = Vec::new();
         let mut forwarded = false;
+        let mut reached: BTreeMap<(&str, &TopicId), u64> = BTreeMap::new();
         for (payload, via) in frames {
             let got = self.receive_locked(&mut guard, group, payload, &mut b)?;
-            if let Some((from, topic)) = via {
-                forwarded |= self.stage_forwards(&rec, &mut b, from, topic, payload, &got)?;
+            if let Some(v) = via {
+                forwarded |= self.stage_forwards(&rec, &mut b, v.hub, v.topic, payload, &got)?;
+                let r = reached.entry((v.hub, v.topic)).or_default();
+                *r = (*r).max(v.seq);
             }
             events.extend(got);
+        }
+        for ((hub, topic), seq) in reached {
+            if seq > self.shared.records.app_cursor(&group, hub, topic)? {
+                self.shared
+                    .records
+                    .put_app_cursor(&mut b, &group, hub, topic, seq);
+            }
         }
         guard.finish(b)?;
         drop(guard);

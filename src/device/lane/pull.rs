@@ -759,28 +759,24 @@ impl GroupPeerManager {
         // Welcome catches up or rejoins). Those of former members go.
         let kept = self
             .kept_welcomes(&mut guard, &mut b, group)
-            .map_err(|e| PullError::Store(RegistryError::Store(e.to_string())))?;
+            .map_err(store_err)?;
         for w in kept {
             self.shared
                 .outbox
                 .stage(&mut b, hub, &w)
-                .map_err(|e| PullError::Store(RegistryError::Store(e.to_string())))?;
+                .map_err(store_err)?;
         }
         self.shared.records.put_group(&mut b, &rec);
         guard.finish(b)?;
         self.shared.outbox.wake();
         // Subscriptions went with the store too: the link makes them again,
-        // but what was published before that is only in the logs. Read the
-        // group's app topics there again from the start.
-        let link = self.hub_link(hub);
-        for topic in &rec.app_topics {
-            self.spawn_catch_up(
-                group,
-                hub.to_string(),
-                link.clone(),
-                topic.clone(),
-                self.shared.shutdown.child_token(),
-            );
+        // but what was published before that is only in the logs. The peer
+        // there reads the group's app topics again from the start (holding
+        // their pushes meanwhile, as when it subscribed).
+        if let Some(peer) =
+            crate::device::manager::lock(&self.shared.peers).get(&(group, hub.to_string()))
+        {
+            peer.recatch_app_logs();
         }
         tracing::warn!(%group, hub, "hub rewound: reading it again from the start");
         self.emit(Event::HubRewound {
@@ -794,6 +790,47 @@ impl GroupPeerManager {
         if probe {
             self.probe_in_background(group);
         }
+        // A rewind is the hub's, not the group's: every other group there
+        // may have lost Welcomes this device sent, and a member that gives
+        // a lost commit back first hides the rewind from the inviter's own
+        // checks (sim seed 718). Post them again there too, and check those
+        // groups' former logs at their next pull.
+        let me = self.clone();
+        let hub = hub.to_string();
+        self.shared.tasks.spawn(async move {
+            if let Err(e) = me.repost_welcomes_on(&hub, group).await {
+                tracing::warn!(hub, error = %e, "posting kept Welcomes again after a rewind failed");
+                me.shared.counters.control_failures.fetch_add(1, Ordering::Relaxed);
+            }
+        });
+        Ok(())
+    }
+
+    /// Post again on `hub` the Welcomes this device keeps for the current
+    /// members of each group bound there but `except` (a hub that still
+    /// has one answers `Duplicate`), and have those groups' former logs
+    /// checked at their next pull.
+    async fn repost_welcomes_on(&self, hub: &str, except: GroupId) -> Result<(), PullError> {
+        let groups = self.shared.records.groups().map_err(store_err)?;
+        for rec in groups
+            .iter()
+            .filter(|r| r.id != except && r.routes().iter().any(|h| h == hub))
+        {
+            crate::device::manager::lock(&self.shared.former_checked).remove(&rec.id);
+            let mut guard = self.shared.registry.lock(rec.id).await;
+            let mut b = WriteBatch::new();
+            let kept = self
+                .kept_welcomes(&mut guard, &mut b, rec.id)
+                .map_err(store_err)?;
+            for w in &kept {
+                self.shared
+                    .outbox
+                    .stage(&mut b, hub, w)
+                    .map_err(store_err)?;
+            }
+            guard.finish(b)?;
+        }
+        self.shared.outbox.wake();
         Ok(())
     }
 
@@ -934,11 +971,11 @@ impl GroupPeerManager {
             Ok(p) => p,
             Err(ProcessMessageError::StorageError(e)) => {
                 guard.discard();
-                return Err(PullError::Store(RegistryError::Store(e.to_string())));
+                return Err(store_err(e));
             }
             Err(ProcessMessageError::LibraryError(e)) => {
                 guard.discard();
-                return Err(PullError::Store(RegistryError::Store(e.to_string())));
+                return Err(store_err(e));
             }
             Err(e) => {
                 self.skip(guard, rec, hub, m, SkipReason::Refused(e.to_string()))?;
@@ -980,7 +1017,7 @@ impl GroupPeerManager {
             Ok(()) => {}
             Err(e) => {
                 guard.discard();
-                return Err(PullError::Store(RegistryError::Store(e.to_string())));
+                return Err(store_err(e));
             }
         }
         let after = guard.read(|g| g.epoch_authenticator().as_slice().to_vec())?;
@@ -1453,4 +1490,9 @@ fn protocol_message(payload: &[u8]) -> Option<ProtocolMessage> {
 /// still kept to give back.
 fn is_lost(k: &MergedCommit, hub: &str) -> bool {
     k.hub == hub && k.seq.is_none() && !k.payload.is_empty() && k.commit_seed.is_some()
+}
+
+/// A store failure met on the way, as the pull's error.
+fn store_err(e: impl std::fmt::Display) -> PullError {
+    PullError::Store(RegistryError::Store(e.to_string()))
 }
