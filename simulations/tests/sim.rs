@@ -460,6 +460,16 @@ fn all_faults_messages_published_before_a_lost_subscription_is_made_again_arrive
     holds_with_all_faults(802);
 }
 
+/// Seed 1105: a hub came back from an older copy of its store and took
+/// new frames on an app topic at the positions it had lost. A member away
+/// meanwhile read on from its cursor, past the new frame where it had read
+/// another, and missed a message. The cursor now keeps the digest of the
+/// frame it stands on, and another frame there is a rewind.
+#[test]
+fn all_faults_another_frame_at_an_app_cursor_is_a_rewind() {
+    holds_with_all_faults(1105);
+}
+
 fn holds_with_all_faults(seed: u64) -> serde_json::Value {
     let r = run_in_process(seed, 30, "all");
     assert_eq!(r["violations"], serde_json::json!([]), "seed {seed}");

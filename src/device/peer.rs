@@ -11,7 +11,7 @@ use super::ledger::{self, Entry, EntryType, GroupExt, LedgerState};
 use super::link::HubLink;
 use super::manager::{FutureFrames, GroupPeerManager, GroupTopics};
 use super::mls;
-use super::records::{GroupId, GroupRecord};
+use super::records::{AppCursor, GroupId, GroupRecord};
 use super::registry::{GroupGuard, OpProvider};
 use super::topics;
 use crate::kv::WriteBatch;
@@ -720,21 +720,26 @@ impl GroupPeerManager {
         let mut b = WriteBatch::new();
         let mut events = Vec::new();
         let mut forwarded = false;
-        let mut reached: BTreeMap<(&str, &TopicId), u64> = BTreeMap::new();
+        let mut reached: BTreeMap<(&str, &TopicId), AppCursor> = BTreeMap::new();
         for (payload, via) in frames {
             let got = self.receive_locked(&mut guard, group, payload, &mut b)?;
             if let Some(v) = via {
                 forwarded |= self.stage_forwards(&rec, &mut b, v.hub, v.topic, payload, &got)?;
                 let r = reached.entry((v.hub, v.topic)).or_default();
-                *r = (*r).max(v.seq);
+                if v.seq > r.seq {
+                    *r = AppCursor {
+                        seq: v.seq,
+                        digest: Some(digest(payload)),
+                    };
+                }
             }
             events.extend(got);
         }
-        for ((hub, topic), seq) in reached {
-            if seq > self.shared.records.app_cursor(&group, hub, topic)? {
+        for ((hub, topic), cursor) in reached {
+            if cursor.seq > self.shared.records.app_cursor(&group, hub, topic)?.seq {
                 self.shared
                     .records
-                    .put_app_cursor(&mut b, &group, hub, topic, seq);
+                    .put_app_cursor(&mut b, &group, hub, topic, cursor);
             }
         }
         guard.finish(b)?;

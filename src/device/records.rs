@@ -330,6 +330,27 @@ fn key(prefix: &[u8], group: &GroupId, rest: &[u8]) -> Vec<u8> {
     k
 }
 
+/// How far a device has read an app topic on one hub: the sequence number
+/// of the last frame handled, and that frame's digest when known. The
+/// digest is what shows a hub restored from an older copy of its store:
+/// another frame at the same position there (sim seed 1105).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AppCursor {
+    /// The last sequence number read (0: nothing yet).
+    pub seq: u64,
+    /// The digest of the frame at `seq`, when it was read.
+    pub digest: Option<[u8; 32]>,
+}
+
+/// An app cursor as stored: a bare sequence number before digests were
+/// kept (2026-12-06), or the whole cursor.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum StoredAppCursor {
+    Seq(u64),
+    Full(AppCursor),
+}
+
 fn app_cursor_key(group: &GroupId, hub: &str, topic: &TopicId) -> Vec<u8> {
     let mut rest = (hub.len() as u32).to_be_bytes().to_vec();
     rest.extend_from_slice(hub.as_bytes());
@@ -472,8 +493,18 @@ impl Records {
     ///
     /// # Errors
     /// The store's error.
-    pub fn app_cursor(&self, group: &GroupId, hub: &str, topic: &TopicId) -> Result<u64, KvError> {
-        Ok(read(&*self.kv, &app_cursor_key(group, hub, topic))?.unwrap_or(0))
+    pub fn app_cursor(
+        &self,
+        group: &GroupId,
+        hub: &str,
+        topic: &TopicId,
+    ) -> Result<AppCursor, KvError> {
+        let stored: Option<StoredAppCursor> = read(&*self.kv, &app_cursor_key(group, hub, topic))?;
+        Ok(match stored {
+            None => AppCursor::default(),
+            Some(StoredAppCursor::Seq(seq)) => AppCursor { seq, digest: None },
+            Some(StoredAppCursor::Full(c)) => c,
+        })
     }
 
     /// Stage the catch-up position of `topic` on `hub`.
@@ -483,9 +514,9 @@ impl Records {
         group: &GroupId,
         hub: &str,
         topic: &TopicId,
-        seq: u64,
+        cursor: AppCursor,
     ) {
-        batch.put(app_cursor_key(group, hub, topic), json(&seq));
+        batch.put(app_cursor_key(group, hub, topic), json(&cursor));
     }
 
     /// Stage the reset of every catch-up position on `hub` (it rewound).
@@ -873,6 +904,43 @@ mod tests {
             body: vec![n],
             at_ms: u64::from(n) * 1000,
         }
+    }
+
+    /// A cursor stored before digests were kept (a bare number) reads as
+    /// that position with no digest; a whole one reads back as written.
+    #[test]
+    fn app_cursors_read_both_stored_forms() {
+        let kv: std::sync::Arc<dyn KvStore> = std::sync::Arc::new(MemKv::new());
+        let r = Records::new(kv.clone());
+        let g = GroupId([7; 32]);
+        let topic = TopicId(vec![2; 33]);
+        assert_eq!(
+            r.app_cursor(&g, "ws://h", &topic).unwrap(),
+            AppCursor::default()
+        );
+        let mut b = WriteBatch::new();
+        b.put(app_cursor_key(&g, "ws://h", &topic), b"41".to_vec());
+        kv.apply(&b).unwrap();
+        assert_eq!(
+            r.app_cursor(&g, "ws://h", &topic).unwrap(),
+            AppCursor {
+                seq: 41,
+                digest: None
+            }
+        );
+        let full = AppCursor {
+            seq: 42,
+            digest: Some([9; 32]),
+        };
+        let mut b = WriteBatch::new();
+        r.put_app_cursor(&mut b, &g, "ws://h", &topic, full);
+        kv.apply(&b).unwrap();
+        assert_eq!(r.app_cursor(&g, "ws://h", &topic).unwrap(), full);
+        // Another hub's cursor for the same topic is its own.
+        assert_eq!(
+            r.app_cursor(&g, "ws://i", &topic).unwrap(),
+            AppCursor::default()
+        );
     }
 
     /// Sent messages come back from an epoch on, oldest epoch first; the
