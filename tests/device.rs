@@ -924,3 +924,51 @@ async fn a_failed_pull_is_counted_in_the_device_stats() {
     assert!(r.is_err(), "the hub is out of reach: {r:?}");
     assert!(b.stats().pull_failures > before);
 }
+
+/// A pushed message a member's store cannot take is counted, left unacked,
+/// and read again from the log once the store works, with no reconnect in
+/// between; a later message of the same sender, pushed while the first
+/// waited, reaches the app after it, not before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pushed_message_the_store_refused_is_read_again_in_order() {
+    let hubs = hubs(1).await;
+    let u = urls(&hubs);
+    let a = TestDevice::open(&u).await.unwrap();
+    let faulty = hubsync::testkit::FaultyKv::switch();
+    let b = TestDevice::open_with_store(hubsync::testkit::device_options(&u), faulty.store_wrap())
+        .await
+        .unwrap();
+    let mut ib = Inbox::new(&b);
+    let g = group_of(&a, &mut [(&b, &mut ib)], &u).await;
+    converge(&[&a, &b], g).await;
+    a.send(g, b"warm up").await.unwrap();
+    ib.until("the first message", |i| i.has(b"warm up")).await;
+    let before = b.stats().receive_failures;
+
+    faulty.fail(true);
+    a.send(g, b"refused").await.unwrap();
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while b.stats().receive_failures == before {
+        assert!(tokio::time::Instant::now() < deadline, "no failure counted");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    a.send(g, b"after it").await.unwrap();
+    ib.settle(Duration::from_millis(300)).await;
+    assert!(!ib.has(b"refused") && !ib.has(b"after it"));
+
+    faulty.fail(false);
+    ib.until("both messages", |i| i.has(b"refused") && i.has(b"after it"))
+        .await;
+    let order: Vec<&[u8]> = ib
+        .events
+        .iter()
+        .filter_map(|e| match e {
+            Event::MessageReceived { body, .. } => Some(body.as_slice()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(order, vec![&b"warm up"[..], b"refused", b"after it"]);
+    ib.settle(Duration::from_millis(300)).await;
+    assert!(ib.got.values().all(|(_, _, n)| *n == 1), "nothing twice");
+    assert!(b.stats().receive_failures > before);
+}

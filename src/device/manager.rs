@@ -151,6 +151,11 @@ pub struct DeviceStats {
     /// periodic tick) are retried by the next. A steady rise means a hub
     /// this device cannot read from.
     pub pull_failures: u64,
+    /// App frames a peer could not handle (a store failure), and reads of
+    /// an app topic's log that failed. Both are retried: the topic's log is
+    /// read again, every second until a read succeeds, with its pushes held
+    /// meanwhile. A steady rise means a store or hub that keeps failing.
+    pub receive_failures: u64,
 }
 
 #[derive(Default)]
@@ -165,6 +170,7 @@ pub(super) struct Counters {
     pub control_failures: AtomicU64,
     pub key_packages_replaced: AtomicU64,
     pub pull_failures: AtomicU64,
+    pub receive_failures: AtomicU64,
 }
 
 /// The topics a group's peers read.
@@ -499,6 +505,7 @@ impl GroupPeerManager {
             control_failures: r(&c.control_failures),
             key_packages_replaced: r(&c.key_packages_replaced),
             pull_failures: r(&c.pull_failures),
+            receive_failures: r(&c.receive_failures),
             outbox_owed: self.shared.outbox.owed(),
         }
     }

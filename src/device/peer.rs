@@ -19,7 +19,7 @@ use crate::wire::{DeviceId, TopicId};
 use openmls::prelude::tls_codec::{Deserialize as _, Serialize as _};
 use openmls::prelude::*;
 use openmls_traits::OpenMlsProvider;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
@@ -248,7 +248,9 @@ impl GroupPeerManager {
                         }
                     }
                     if !items.is_empty() {
-                        self.handle_items(group, &hub, &link, &t, items).await;
+                        let failed = self.handle_items(group, &hub, &link, &t, items).await;
+                        let logs = LogReads { group, hub: &hub, link: &link, cancel: &cancel, done: &caught_tx };
+                        self.read_logs(&logs, &Vec::from_iter(failed), &mut catching);
                     }
                 }
                 Some(topic) = caught_rx.recv() => {
@@ -259,7 +261,9 @@ impl GroupPeerManager {
                         catching.insert(topic.clone(), Held { items: held.items, again: false });
                         self.spawn_catch_up(group, hub.clone(), link.clone(), topic, cancel.clone(), caught_tx.clone());
                     } else if !held.items.is_empty() {
-                        self.handle_items(group, &hub, &link, &t, held.items).await;
+                        let failed = self.handle_items(group, &hub, &link, &t, held.items).await;
+                        let logs = LogReads { group, hub: &hub, link: &link, cancel: &cancel, done: &caught_tx };
+                        self.read_logs(&logs, &Vec::from_iter(failed), &mut catching);
                     }
                 }
                 // The hub may have lost this peer's subscriptions (it came
@@ -294,7 +298,8 @@ impl GroupPeerManager {
     /// Handle frames a peer received, in order, and ack those handled (one
     /// not handled is delivered again later). Rendezvous frames go to their
     /// own tasks; a commit topic's frame means "pull"; each run of app
-    /// frames is made durable in one flush.
+    /// frames is made durable in one flush. Answers the app topics a frame
+    /// of which could not be handled: the caller has their logs read again.
     async fn handle_items(
         &self,
         group: GroupId,
@@ -302,7 +307,8 @@ impl GroupPeerManager {
         link: &HubLink,
         t: &GroupTopics,
         items: Vec<Item>,
-    ) {
+    ) -> BTreeSet<TopicId> {
+        let mut failed = BTreeSet::new();
         let mut acks = Vec::new();
         let mut run: Vec<Item> = Vec::new();
         let mut items = items.into_iter().peekable();
@@ -328,7 +334,7 @@ impl GroupPeerManager {
                 });
                 if run_ends {
                     let done = std::mem::take(&mut run);
-                    acks.extend(self.receive_run(group, hub, done).await);
+                    acks.extend(self.receive_run(group, hub, done, &mut failed).await);
                 }
                 continue;
             };
@@ -337,18 +343,30 @@ impl GroupPeerManager {
             }
         }
         link.ack(acks).await;
+        failed
     }
 
     /// Receive a run of app frames from `hub` under one flush; answers the
     /// delivery ids to ack. When the run fails as a whole (a store error,
-    /// say), nothing of it was applied and each frame is tried alone, so
-    /// one that cannot be handled holds back only its own ack.
+    /// say), nothing of it was applied and each frame is tried alone. A
+    /// frame that cannot be handled is counted and its topic added to
+    /// `failed`; the topic's later frames are then left alone too (unacked),
+    /// since handling one would move the topic's cursor past it: the log is
+    /// read again for all of them.
     async fn receive_run(
         &self,
         group: GroupId,
         hub: &str,
         run: Vec<Item>,
+        failed: &mut BTreeSet<TopicId>,
     ) -> Vec<crate::wire::FrameRef> {
+        let run: Vec<Item> = run
+            .into_iter()
+            .filter(|i| !failed.contains(&i.topic))
+            .collect();
+        if run.is_empty() {
+            return Vec::new();
+        }
         let frames: Vec<AppFrame<'_>> = run
             .iter()
             .map(|i| {
@@ -365,6 +383,7 @@ impl GroupPeerManager {
         for (item, frame) in run.iter().zip(&frames) {
             let handled = match &all {
                 Ok(()) | Err(DeviceError::UnknownGroup(_)) => true,
+                Err(_) if failed.contains(&item.topic) => continue,
                 Err(_) if run.len() == 1 => false,
                 Err(_) => matches!(
                     self.receive_apps(group, std::slice::from_ref(frame)).await,
@@ -372,7 +391,12 @@ impl GroupPeerManager {
                 ),
             };
             if let (Err(e), false) = (&all, handled) {
-                tracing::warn!(%group, hub, error = %e, "frame not handled");
+                tracing::warn!(%group, hub, error = %e, "frame not handled; its topic's log is read again");
+                self.shared
+                    .counters
+                    .receive_failures
+                    .fetch_add(1, Ordering::Relaxed);
+                failed.insert(item.topic.clone());
             }
             if let (true, Some(id)) = (handled, item.ack.clone()) {
                 acks.push(id);
@@ -443,6 +467,10 @@ impl GroupPeerManager {
                     Err(e) if e.is_unknown_group() => break,
                     Err(e) => {
                         tracing::debug!(%group, hub = %hub, error = %e, "app catch-up failed; retrying");
+                        me.shared
+                            .counters
+                            .receive_failures
+                            .fetch_add(1, Ordering::Relaxed);
                         tokio::select! {
                             _ = cancel.cancelled() => return,
                             _ = tokio::time::sleep(Duration::from_secs(1)) => {}
