@@ -517,6 +517,56 @@ mod tests {
     }
 
     #[test]
+    fn groups_stored_in_json_by_earlier_versions_load_and_go_on() {
+        use crate::device::storage::WRITE_JSON;
+        let (dir_a, dir_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        // Everything of the first run is written as versions before
+        // MessagePack wrote it.
+        WRITE_JSON.set(true);
+        let group_id = {
+            let a = Device::sled(dir_a.path(), 1);
+            let b = Device::sled(dir_b.path(), 2);
+            let (mut ga, mut gb) = two_member_group(&a, &b);
+            let m = a.send(&mut ga, b"hello");
+            assert_eq!(b.receive(&mut gb, &m), b"hello");
+            ga.group_id().clone()
+        };
+        WRITE_JSON.set(false);
+        let stored_first_bytes = |dir: &Path| {
+            let kv = SledKv::open(dir).unwrap();
+            kv.scan_prefix(MLS_KEY_PREFIX, usize::MAX)
+                .unwrap()
+                .into_iter()
+                .map(|(_, v)| v[0])
+                .collect::<Vec<u8>>()
+        };
+        assert!(stored_first_bytes(dir_a.path()).iter().all(|&b| b != 0));
+
+        let a = Device::sled(dir_a.path(), 11);
+        let b = Device::sled(dir_b.path(), 12);
+        let (mut ga, mut gb) = (a.load(&group_id), b.load(&group_id));
+        assert_in_sync(&ga, &gb, 1);
+        let m = b.send(&mut gb, b"after the upgrade");
+        assert_eq!(a.receive(&mut ga, &m), b"after the upgrade");
+        let commit = a.self_update(&mut ga);
+        b.apply_commit(&mut gb, &commit);
+        assert_in_sync(&ga, &gb, 2);
+        let m = a.send(&mut ga, b"epoch two");
+        assert_eq!(b.receive(&mut gb, &m), b"epoch two");
+        drop((a, b));
+        // The merge wrote the group's state again, in MessagePack.
+        assert!(stored_first_bytes(dir_a.path()).contains(&0));
+
+        let a = Device::sled(dir_a.path(), 21);
+        let b = Device::sled(dir_b.path(), 22);
+        let (mut ga, mut gb) = (a.load(&group_id), b.load(&group_id));
+        assert_in_sync(&ga, &gb, 2);
+        let commit = b.self_update(&mut gb);
+        a.apply_commit(&mut ga, &commit);
+        assert_in_sync(&ga, &gb, 3);
+    }
+
+    #[test]
     fn an_unapplied_commit_merge_leaves_the_old_epoch() {
         let dir = tempfile::tempdir().unwrap();
         let (group_id, authenticator) = {

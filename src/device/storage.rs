@@ -13,7 +13,15 @@
 //! # Layout
 //!
 //! Every key is `mls/` + label + `/` + serde_json(key) + storage version (two
-//! bytes, big endian); every value is serde_json, as OpenMLS 0.9 requires.
+//! bytes, big endian). Every value is written as the byte `0x00` followed by
+//! its MessagePack encoding (OpenMLS 0.9's types need a self-describing
+//! format: some decode with `deserialize_any`). A value whose first byte is
+//! anything else is serde_json, as this module wrote before 2026-12-06 (a
+//! JSON text never starts with `0x00`); it is read as before and rewritten in
+//! MessagePack the next time OpenMLS writes it, so stores migrate lazily.
+//! MessagePack keeps byte strings as bytes where JSON made them arrays of
+//! integers, which made the JSON about three times larger and its parsing a
+//! tenth of a device's profile (docs/performance.md).
 //! A group id is always encoded by the same function and always comes first
 //! in group-scoped keys, so one prefix scan finds all of a group's state
 //! ([`StagedStorage::purge_group`]). JSON objects and arrays are
@@ -21,9 +29,10 @@
 //! (epoch, leaf index) pair of an epoch key pair is encoded as one JSON array
 //! so that `epoch 5, leaf 10` and `epoch 51, leaf 0` cannot collide.
 //!
-//! Lists (own leaf nodes, the proposal queue) are one JSON array per key,
-//! read-modify-written through the overlay so that a staged append is seen by
-//! the next read of the same operation. An emptied list is deleted.
+//! Lists (own leaf nodes, the proposal queue) are one array value per key
+//! (equal items are found by their MessagePack bytes), read-modify-written
+//! through the overlay so that a staged append is seen by the next read of
+//! the same operation. An emptied list is deleted.
 //!
 //! # Deletes are real
 //!
@@ -98,7 +107,7 @@ pub enum StorageError {
     Encode {
         /// What was being encoded.
         what: &'static str,
-        /// What serde_json said.
+        /// What the encoder said.
         reason: String,
     },
     /// A stored value could not be decoded: the store is corrupt or was
@@ -107,7 +116,7 @@ pub enum StorageError {
     Corrupt {
         /// Hex of the full storage key.
         key: String,
-        /// What serde_json said.
+        /// What the decoder said.
         reason: String,
     },
     /// The proposal queue names a proposal whose body is not stored.
@@ -357,7 +366,7 @@ impl StagedStorage {
     }
 
     fn put(&self, label: &[u8], key: &[u8], value: &impl Serialize) -> Result<(), StorageError> {
-        let value = encode("value", value)?;
+        let value = encode_value("value", value)?;
         self.lock().insert(storage_key(label, key), Some(value));
         Ok(())
     }
@@ -392,42 +401,48 @@ impl StagedStorage {
     }
 
     /// Append `item` to the list under (`label`, `key`) unless an equal item
-    /// is already there.
-    fn list_push(
+    /// (one with the same encoding) is already there.
+    fn list_push<T: Serialize + DeserializeOwned>(
         &self,
         label: &[u8],
         key: &[u8],
-        item: &impl Serialize,
+        item: &T,
     ) -> Result<(), StorageError> {
         let key = storage_key(label, key);
-        let item = to_json_value(item)?;
+        let encoded = encode_item(item)?;
         let mut overlay = self.lock();
-        let mut list: Vec<serde_json::Value> = decode_list(&key, self.get_in(&overlay, &key)?)?;
-        if !list.contains(&item) {
-            list.push(item);
+        let mut list: Vec<T> = decode_list(&key, self.get_in(&overlay, &key)?)?;
+        if !contains_encoded(&list, &encoded)? {
+            // An owned copy of `item`, which the trait hands over borrowed.
+            list.push(rmp_serde::from_slice(&encoded).map_err(|e| corrupt(&key, e))?);
         }
-        let bytes = encode("list", &list)?;
+        let bytes = encode_value("list", &list)?;
         overlay.insert(key, Some(bytes));
         Ok(())
     }
 
-    /// Remove every item equal to `item` from the list under (`label`,
-    /// `key`); an emptied list is deleted.
-    fn list_remove(
+    /// Remove every item equal to `item` (with the same encoding) from the
+    /// list under (`label`, `key`); an emptied list is deleted.
+    fn list_remove<T: Serialize + DeserializeOwned>(
         &self,
         label: &[u8],
         key: &[u8],
-        item: &impl Serialize,
+        item: &T,
     ) -> Result<(), StorageError> {
         let key = storage_key(label, key);
-        let item = to_json_value(item)?;
+        let encoded = encode_item(item)?;
         let mut overlay = self.lock();
-        let mut list: Vec<serde_json::Value> = decode_list(&key, self.get_in(&overlay, &key)?)?;
-        list.retain(|v| v != &item);
-        let value = if list.is_empty() {
+        let list: Vec<T> = decode_list(&key, self.get_in(&overlay, &key)?)?;
+        let mut kept = Vec::with_capacity(list.len());
+        for other in list {
+            if encode_item(&other)? != encoded {
+                kept.push(other);
+            }
+        }
+        let value = if kept.is_empty() {
             None
         } else {
-            Some(encode("list", &list)?)
+            Some(encode_value("list", &kept)?)
         };
         overlay.insert(key, value);
         Ok(())
@@ -460,6 +475,12 @@ fn storage_key(label: &[u8], key: &[u8]) -> Vec<u8> {
     out
 }
 
+/// The first byte of every value written in MessagePack; a value starting
+/// with anything else is the JSON of earlier versions.
+const MSGPACK: u8 = 0x00;
+
+/// serde_json: the encoding of keys, which must never change (a key written
+/// once is looked up by its bytes).
 fn encode<T: Serialize + ?Sized>(what: &'static str, v: &T) -> Result<Vec<u8>, StorageError> {
     serde_json::to_vec(v).map_err(|e| StorageError::Encode {
         what,
@@ -467,11 +488,42 @@ fn encode<T: Serialize + ?Sized>(what: &'static str, v: &T) -> Result<Vec<u8>, S
     })
 }
 
-fn to_json_value<T: Serialize + ?Sized>(v: &T) -> Result<serde_json::Value, StorageError> {
-    serde_json::to_value(v).map_err(|e| StorageError::Encode {
+/// A value as stored: [`MSGPACK`], then its MessagePack encoding.
+fn encode_value<T: Serialize + ?Sized>(what: &'static str, v: &T) -> Result<Vec<u8>, StorageError> {
+    #[cfg(test)]
+    if WRITE_JSON.get() {
+        return encode(what, v);
+    }
+    let mut out = vec![MSGPACK];
+    rmp_serde::encode::write_named(&mut out, v).map_err(|e| StorageError::Encode {
+        what,
+        reason: e.to_string(),
+    })?;
+    Ok(out)
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Set by tests of the migration: values are then written in JSON, as
+    /// versions before 2026-12-06 wrote them.
+    pub(crate) static WRITE_JSON: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// A list item's MessagePack encoding, by which equal items are found.
+fn encode_item<T: Serialize + ?Sized>(v: &T) -> Result<Vec<u8>, StorageError> {
+    rmp_serde::to_vec_named(v).map_err(|e| StorageError::Encode {
         what: "list item",
         reason: e.to_string(),
     })
+}
+
+fn contains_encoded<T: Serialize>(list: &[T], encoded: &[u8]) -> Result<bool, StorageError> {
+    for item in list {
+        if encode_item(item)? == encoded {
+            return Ok(true);
+        }
+    }
+    Ok(false)
 }
 
 /// The one encoding of a group id in keys.
@@ -498,11 +550,19 @@ fn epoch_key_pairs_key(
     Ok(key)
 }
 
-fn decode<V: DeserializeOwned>(key: &[u8], bytes: &[u8]) -> Result<V, StorageError> {
-    serde_json::from_slice(bytes).map_err(|e| StorageError::Corrupt {
+fn corrupt(key: &[u8], reason: impl std::fmt::Display) -> StorageError {
+    StorageError::Corrupt {
         key: hex::encode(key),
-        reason: e.to_string(),
-    })
+        reason: reason.to_string(),
+    }
+}
+
+/// A stored value, in either encoding (see the [module docs](self)).
+fn decode<V: DeserializeOwned>(key: &[u8], bytes: &[u8]) -> Result<V, StorageError> {
+    match bytes.split_first() {
+        Some((&MSGPACK, rest)) => rmp_serde::from_slice(rest).map_err(|e| corrupt(key, e)),
+        _ => serde_json::from_slice(bytes).map_err(|e| corrupt(key, e)),
+    }
 }
 
 fn decode_list<V: DeserializeOwned>(
@@ -1538,6 +1598,46 @@ mod tests {
     }
 
     #[test]
+    fn values_and_lists_written_in_json_are_read_and_rewritten_in_messagepack() {
+        let kv: Arc<dyn KvStore> = Arc::new(MemKv::new());
+        let g = Gid(vec![6]);
+        let s = StagedStorage::new(kv.clone());
+        WRITE_JSON.set(true);
+        write_all(&s, &g);
+        write_crypto(&s);
+        WRITE_JSON.set(false);
+        commit(&kv, s);
+        let leaves = storage_key(OWN_LEAF_NODES, &group_key(&g).unwrap());
+        let json = kv.get(&leaves).unwrap().unwrap();
+        assert_eq!(json.first(), Some(&b'['), "the old version wrote JSON");
+
+        let s = StagedStorage::new(kv.clone());
+        check_group(&s, &g, true);
+        check_crypto(&s, true);
+        // A list of the old version takes a new item (and knows its equal
+        // by its bytes, whichever encoding it was stored in) ...
+        s.append_own_leaf_node(&g, &v("leaf2", &g)).unwrap();
+        s.append_own_leaf_node(&g, &v("leaf3", &g)).unwrap();
+        s.write_tree(&g, &v("tree2", &g)).unwrap();
+        commit(&kv, s);
+        // ... and is written back in MessagePack, like every new value.
+        for key in [leaves.clone(), storage_key(TREE, &group_key(&g).unwrap())] {
+            assert_eq!(kv.get(&key).unwrap().unwrap().first(), Some(&MSGPACK));
+        }
+        let s = StagedStorage::new(kv.clone());
+        let got: Vec<V> = s.own_leaf_nodes(&g).unwrap();
+        assert_eq!(got, vec![v("leaf1", &g), v("leaf2", &g), v("leaf3", &g)]);
+        assert_eq!(s.tree::<_, V>(&g).unwrap(), Some(v("tree2", &g)));
+        // What was not written again is still the old JSON, still readable.
+        let ctx = storage_key(GROUP_CONTEXT, &group_key(&g).unwrap());
+        assert_eq!(kv.get(&ctx).unwrap().unwrap().first(), Some(&b'"'));
+        assert_eq!(s.group_context::<_, V>(&g).unwrap(), Some(v("ctx", &g)));
+        s.remove_proposal(&g, &PRef(1)).unwrap();
+        let refs: Vec<PRef> = s.queued_proposal_refs(&g).unwrap();
+        assert_eq!(refs, vec![PRef(2)]);
+    }
+
+    #[test]
     fn corrupt_values_are_errors_not_panics() {
         let kv: Arc<dyn KvStore> = Arc::new(MemKv::new());
         let g = Gid(vec![9]);
@@ -1550,10 +1650,19 @@ mod tests {
             storage_key(OWN_LEAF_NODES, &group_key(&g).unwrap()),
             b"7".to_vec(),
         );
+        // 0xc1 is no MessagePack type.
+        b.put(
+            storage_key(GROUP_CONTEXT, &group_key(&g).unwrap()),
+            vec![MSGPACK, 0xc1],
+        );
         kv.apply(&b).unwrap();
         let s = StagedStorage::new(kv);
         assert!(matches!(
             s.tree::<_, V>(&g),
+            Err(StorageError::Corrupt { .. })
+        ));
+        assert!(matches!(
+            s.group_context::<_, V>(&g),
             Err(StorageError::Corrupt { .. })
         ));
         assert!(matches!(
