@@ -25,7 +25,8 @@ use tokio::time::Instant;
 
 /// What the build step did.
 enum Step {
-    Journalled,
+    /// Built against this head of the commit topic, and journalled.
+    Journalled(u64),
     Stranded,
 }
 
@@ -110,7 +111,7 @@ impl GroupPeerManager {
                         return Ok(None);
                     };
                     match self.build_and_journal(group, plan).await? {
-                        Step::Journalled => lane.on_journalled(),
+                        Step::Journalled(head) => lane.on_journalled(Instant::now(), head),
                         Step::Stranded => lane.on_stranded(),
                     }
                     if self.shared.faults.halt_after_journal.load(Ordering::SeqCst) {
@@ -243,7 +244,7 @@ impl GroupPeerManager {
         let mut b = WriteBatch::new();
         self.shared.records.put_journal(&mut b, &group, &entry);
         guard.finish(b)?;
-        Ok(Step::Journalled)
+        Ok(Step::Journalled(cursor))
     }
 
     /// Send the journalled commit (or replay it) and map the hub's answer.

@@ -148,6 +148,24 @@ pub struct Lane {
     pulled: bool,
     wait_until: Option<Instant>,
     finished: Option<Finish>,
+    /// The commit topic's head the current build expects.
+    built_at: Option<u64>,
+    /// The head the last build that lost its race expected.
+    lost_at: Option<u64>,
+    /// Builds in a row against the head of a lost race: the pull after the
+    /// loss brought nothing, although the hub said the head moved.
+    stalls: u32,
+}
+
+/// The longest a stalled build waits before it is published.
+pub const MAX_STALL_BACKOFF: Duration = Duration::from_millis(6_400);
+
+/// How long a build waits after `stalls` losses in a row whose pulls
+/// brought nothing: [`RETRY_BACKOFF`], doubling up to [`MAX_STALL_BACKOFF`].
+fn stall_backoff(stalls: u32) -> Duration {
+    RETRY_BACKOFF
+        .saturating_mul(1 << stalls.saturating_sub(1).min(5))
+        .min(MAX_STALL_BACKOFF)
 }
 
 /// What step 0 found in the journal.
@@ -182,6 +200,9 @@ impl Lane {
             pulled: false,
             wait_until: None,
             finished: None,
+            built_at: None,
+            lost_at: None,
+            stalls: 0,
         }
     }
 
@@ -258,10 +279,27 @@ impl Lane {
         }
     }
 
-    /// The build is journalled (durable); next it is published.
-    pub fn on_journalled(&mut self) {
+    /// The build, made against the commit topic's `head`, is journalled
+    /// (durable); next it is published.
+    ///
+    /// A race lost against a head means the hub holds more than that, so
+    /// the pull after it moves this device's cursor past it. A new build
+    /// against the same head means the pull brought nothing: a hub that
+    /// answers "lost" but does not serve what won, or a pull that cannot
+    /// apply it.
+    /// Publishing again at once would rebuild and lose in a loop as fast as
+    /// the hub answers; instead the publish waits, longer each time
+    /// ([`stall_backoff`]), until the deadline ends the run.
+    pub fn on_journalled(&mut self, now: Instant, head: u64) {
         self.attempts += 1;
         self.state = LaneState::Journalled;
+        self.built_at = Some(head);
+        if self.lost_at == Some(head) {
+            self.stalls += 1;
+            self.wait_until = Some(now + stall_backoff(self.stalls));
+        } else {
+            self.stalls = 0;
+        }
     }
 
     /// The build found that another commit landed since the pull (the
@@ -279,7 +317,10 @@ impl Lane {
     pub fn on_answer(&mut self, now: Instant, a: Answer) {
         match a {
             Answer::Accepted { seq } => self.state = LaneState::Accepted { seq },
-            Answer::Lost => self.state = LaneState::Lost,
+            Answer::Lost => {
+                self.state = LaneState::Lost;
+                self.lost_at = self.built_at;
+            }
             Answer::Transient { after } => {
                 // The same bytes go again: if an earlier send landed, the
                 // hub answers with a duplicate and its position.
@@ -347,7 +388,7 @@ mod tests {
         assert_eq!(l.poll(at(0)), Action::Pull);
         l.on_pulled(at(0), Pulled::CaughtUp);
         assert_eq!(l.poll(at(0)), Action::Build);
-        l.on_journalled();
+        l.on_journalled(at(0), 1);
         assert_eq!(l.state(), LaneState::Journalled);
         assert_eq!(l.poll(at(0)), Action::Publish);
         l.on_sent();
@@ -370,7 +411,7 @@ mod tests {
         l.poll(at(0));
         l.on_pulled(at(0), Pulled::CaughtUp);
         l.poll(at(0));
-        l.on_journalled();
+        l.on_journalled(at(0), 1);
         l.poll(at(0));
         l.on_sent();
         l.on_answer(at(1), Answer::Lost);
@@ -383,7 +424,7 @@ mod tests {
         assert_eq!(l.poll(at(1)), Action::Pull);
         l.on_pulled(at(1), Pulled::CaughtUp);
         assert_eq!(l.poll(at(1)), Action::Build);
-        l.on_journalled();
+        l.on_journalled(at(0), 1);
         l.poll(at(1));
         l.on_sent();
         l.on_answer(at(2), Answer::Accepted { seq: 9 });
@@ -441,7 +482,7 @@ mod tests {
         l.poll(at(0));
         l.on_pulled(at(0), Pulled::CaughtUp);
         l.poll(at(0));
-        l.on_journalled();
+        l.on_journalled(at(0), 1);
         l.poll(at(0));
         l.on_sent();
         l.on_answer(
@@ -466,7 +507,7 @@ mod tests {
         l.poll(at(0));
         l.on_pulled(at(0), Pulled::CaughtUp);
         l.poll(at(0));
-        l.on_journalled();
+        l.on_journalled(at(0), 1);
         l.poll(at(0));
         l.on_sent();
         l.on_answer(at(200), Answer::Accepted { seq: 3 });
@@ -479,7 +520,7 @@ mod tests {
         l.poll(at(0));
         l.on_pulled(at(0), Pulled::CaughtUp);
         l.poll(at(0));
-        l.on_journalled();
+        l.on_journalled(at(0), 1);
         l.poll(at(0));
         l.on_sent();
         l.on_answer(at(200), Answer::Lost);
@@ -527,11 +568,68 @@ mod tests {
         l.poll(at(0));
         l.on_pulled(at(0), Pulled::CaughtUp);
         l.poll(at(0));
-        l.on_journalled();
+        l.on_journalled(at(0), 1);
         l.poll(at(0));
         l.on_sent();
         l.on_answer(at(1), Answer::Refused);
         assert_eq!(l.poll(at(1)), Action::Done(Finish::Refused));
         assert_eq!(l.state(), LaneState::Published);
+    }
+
+    /// Who may make a device spin: nobody. A hub that answers every
+    /// publish "lost" while its log shows nothing new would have the device
+    /// rebuild and publish as fast as the hub answers; the builds against
+    /// the same head wait longer and longer instead.
+    #[test]
+    fn losses_whose_pulls_bring_nothing_back_off_until_the_deadline() {
+        let mut l = lane(Journal::Empty);
+        let mut now = at(0);
+        let mut waits = Vec::new();
+        let mut publishes = 0;
+        loop {
+            match l.poll(now) {
+                Action::Pull => l.on_pulled(now, Pulled::CaughtUp),
+                Action::Build => l.on_journalled(now, 5),
+                Action::Publish => {
+                    publishes += 1;
+                    l.on_sent();
+                    l.on_answer(now, Answer::Lost);
+                }
+                Action::Discard => l.on_discarded(),
+                Action::Wait { until } => {
+                    waits.push(until - now);
+                    now = until;
+                }
+                Action::Done(f) => {
+                    assert_eq!(f, Finish::TimedOut);
+                    break;
+                }
+                other => panic!("unexpected {other:?}"),
+            }
+            assert!(publishes < 100, "the lane spins");
+        }
+        assert_eq!(waits[0], RETRY_BACKOFF);
+        assert_eq!(waits[1], RETRY_BACKOFF * 2);
+        assert!(waits.iter().all(|w| *w <= MAX_STALL_BACKOFF));
+        assert!(waits.contains(&MAX_STALL_BACKOFF));
+    }
+
+    #[test]
+    fn a_loss_whose_pull_moved_the_head_builds_again_at_once() {
+        let mut l = lane(Journal::Empty);
+        l.poll(at(0));
+        l.on_pulled(at(0), Pulled::CaughtUp);
+        l.poll(at(0));
+        l.on_journalled(at(0), 5);
+        l.poll(at(0));
+        l.on_sent();
+        l.on_answer(at(1), Answer::Lost);
+        l.poll(at(1));
+        l.on_discarded();
+        l.poll(at(1));
+        l.on_pulled(at(1), Pulled::CaughtUp);
+        assert_eq!(l.poll(at(1)), Action::Build);
+        l.on_journalled(at(1), 6);
+        assert_eq!(l.poll(at(1)), Action::Publish);
     }
 }
