@@ -5,7 +5,7 @@ mod device_cli;
 
 use clap::{Parser, Subcommand};
 use hubsync::clock::Clock;
-use hubsync::hub::{Hub, HubConfig, Limits, Rate};
+use hubsync::hub::{Hub, HubConfig, HubStore, KvHubStore, Limits, PgHubStore, Rate};
 use hubsync::kv::{KvStore, SledKv};
 use hubsync::rng::SharedRng;
 use hubsync::transport::{server_config_from_pem, TcpAcceptor, TlsListener};
@@ -185,9 +185,18 @@ struct HubArgs {
     /// Address to listen on, e.g. 127.0.0.1:7400 (port 0 picks a free one).
     #[arg(long, default_value = "127.0.0.1:7400")]
     listen: String,
-    /// Directory of the hub's store (created if missing).
+    /// Directory of the hub's sled store (created if missing). Not used
+    /// with --store.
     #[arg(long, default_value = "./hub-data")]
     data: PathBuf,
+    /// Keep the hub's data in PostgreSQL instead of sled: a postgres:// URL
+    /// (or a libpq key=value string). Several hub processes may share one
+    /// database (docs/operations.md).
+    #[arg(long, value_name = "URL")]
+    store: Option<String>,
+    /// Connections to PostgreSQL this process keeps at most (--store).
+    #[arg(long, default_value_t = hubsync::hub::DEFAULT_POOL_SIZE)]
+    store_pool: usize,
     /// The URL devices dial and sign; defaults to ws://<listen address>, or
     /// wss://<listen address> with TLS. With TLS it must be wss://, and its
     /// host one the certificate names.
@@ -308,12 +317,21 @@ async fn run_hub(args: HubArgs) -> Result<(), String> {
         .map_err(|e| format!("cannot listen on {}: {e}", args.listen))?;
     let addr = listener.local_addr().map_err(|e| e.to_string())?;
     let url = hub_url(args.public_url.clone(), addr, tls.is_some())?;
-    std::fs::create_dir_all(&args.data)
-        .map_err(|e| format!("cannot create {}: {e}", args.data.display()))?;
-    let store: Arc<dyn KvStore> = Arc::new(
-        SledKv::open(&args.data)
-            .map_err(|e| format!("cannot open {}: {e}", args.data.display()))?,
-    );
+    let rng = SharedRng::from_entropy();
+    let store: Arc<dyn HubStore> = match &args.store {
+        Some(url) => PgHubStore::open(url, args.store_pool, &rng)
+            .await
+            .map_err(|e| e.to_string())?,
+        None => {
+            std::fs::create_dir_all(&args.data)
+                .map_err(|e| format!("cannot create {}: {e}", args.data.display()))?;
+            let kv: Arc<dyn KvStore> = Arc::new(
+                SledKv::open(&args.data)
+                    .map_err(|e| format!("cannot open {}: {e}", args.data.display()))?,
+            );
+            KvHubStore::open(kv, &rng).map_err(|e| format!("hub store: {e}"))?
+        }
+    };
     let mut config = HubConfig::new(url.clone());
     config.purge_interval = Duration::from_secs(args.purge_interval.max(1));
     config.limits = Limits {
@@ -338,8 +356,7 @@ async fn run_hub(args: HubArgs) -> Result<(), String> {
         max_subscriptions: args.max_subscriptions,
         ..Limits::default()
     };
-    let hub = Hub::start(store, config, Clock::System, SharedRng::from_entropy())
-        .map_err(|e| e.to_string())?;
+    let hub = Hub::start_on(store, config, Clock::System, rng).map_err(|e| e.to_string())?;
     let tls_stats = match tls {
         Some(config) => {
             let listener = TlsListener::new(listener, config);
@@ -357,7 +374,10 @@ async fn run_hub(args: HubArgs) -> Result<(), String> {
     tracing::info!(
         %addr,
         %url,
-        data = %args.data.display(),
+        store = %match &args.store {
+            Some(_) => "postgres".to_string(),
+            None => args.data.display().to_string(),
+        },
         store_id = %hub.store_id(),
         "hub started"
     );

@@ -24,7 +24,7 @@
 
 use crate::client::{ClientError, ClientOptions, HubClient};
 use crate::clock::Clock;
-use crate::hub::{Hub, HubConfig};
+use crate::hub::{Hub, HubConfig, PgHubStore};
 use crate::kv::{Entries, KvError, KvStore, SledKv, WriteBatch};
 use crate::rng::SharedRng;
 use crate::transport::{
@@ -43,6 +43,27 @@ use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio_rustls::rustls::pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer};
+
+mod postgres;
+pub use self::postgres::TestPostgres;
+
+/// Which store a test hub keeps its data in, for tests that run one body
+/// on each.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TestStore {
+    /// sled in a temporary directory, as `hubsync hub --data DIR`.
+    Sled,
+    /// A fresh database on this process's [`TestPostgres`], as
+    /// `hubsync hub --store postgres://...`.
+    Postgres,
+}
+
+/// Where a test hub's data is.
+#[derive(Clone, Debug)]
+enum Location {
+    Dir(PathBuf),
+    Postgres(String),
+}
 
 /// A deterministic signing key for tests: the same `n` gives the same device.
 pub fn signing_key(n: u64) -> SigningKey {
@@ -165,6 +186,7 @@ pub struct TestHub {
     addr: SocketAddr,
     url: String,
     dir: PathBuf,
+    location: Location,
     tls: Option<HubTls>,
     connector: NetConnector,
     _temp: Option<Arc<tempfile::TempDir>>,
@@ -190,6 +212,44 @@ impl TestHub {
         let dir = temp.path().to_path_buf();
         let mut hub = Self::start_at(&dir, "127.0.0.1:0", configure).await?;
         hub._temp = Some(temp);
+        Ok(hub)
+    }
+
+    /// Like [`TestHub::start_with`], on a new store of the kind `store`.
+    ///
+    /// # Errors
+    /// When no port, directory or database can be had.
+    pub async fn start_on(
+        store: TestStore,
+        configure: impl FnOnce(&mut HubConfig),
+    ) -> io::Result<TestHub> {
+        match store {
+            TestStore::Sled => Self::start_with(configure).await,
+            TestStore::Postgres => {
+                let url = TestPostgres::shared()?.database().await?;
+                let temp = Arc::new(tempfile::tempdir()?);
+                let location = Location::Postgres(url);
+                let mut hub =
+                    Self::start_inner(temp.path(), &location, "127.0.0.1:0", None, None, configure)
+                        .await?;
+                hub._temp = Some(temp);
+                Ok(hub)
+            }
+        }
+    }
+
+    /// Stop the hub cleanly and start it again on the same store (and a new
+    /// port), as an operator's restart does.
+    ///
+    /// # Errors
+    /// When no port can be had or the store cannot be opened again.
+    pub async fn restart(self, configure: impl FnOnce(&mut HubConfig)) -> io::Result<TestHub> {
+        let dir = self.dir.clone();
+        let location = self.location.clone();
+        let temp = self.stop().await;
+        let mut hub =
+            Self::start_inner(&dir, &location, "127.0.0.1:0", None, None, configure).await?;
+        hub._temp = temp;
         Ok(hub)
     }
 
@@ -223,7 +283,9 @@ impl TestHub {
         let temp = Arc::new(tempfile::tempdir()?);
         let dir = temp.path().to_path_buf();
         let tls = Some((cert, handshake_timeout));
-        let mut hub = Self::start_inner(&dir, "127.0.0.1:0", tls, None, configure).await?;
+        let location = Location::Dir(dir.clone());
+        let mut hub =
+            Self::start_inner(&dir, &location, "127.0.0.1:0", tls, None, configure).await?;
         hub._temp = Some(temp);
         Ok(hub)
     }
@@ -238,7 +300,8 @@ impl TestHub {
         addr: &str,
         configure: impl FnOnce(&mut HubConfig),
     ) -> io::Result<TestHub> {
-        Self::start_inner(dir, addr, None, None, configure).await
+        let location = Location::Dir(dir.to_path_buf());
+        Self::start_inner(dir, &location, addr, None, None, configure).await
     }
 
     /// Like [`TestHub::start_with`], with the hub's sled store seen through
@@ -252,13 +315,16 @@ impl TestHub {
     ) -> io::Result<TestHub> {
         let temp = Arc::new(tempfile::tempdir()?);
         let dir = temp.path().to_path_buf();
-        let mut hub = Self::start_inner(&dir, "127.0.0.1:0", None, Some(wrap), configure).await?;
+        let location = Location::Dir(dir.clone());
+        let mut hub =
+            Self::start_inner(&dir, &location, "127.0.0.1:0", None, Some(wrap), configure).await?;
         hub._temp = Some(temp);
         Ok(hub)
     }
 
     async fn start_inner(
         dir: &Path,
+        location: &Location,
         addr: &str,
         tls: Option<(&TestCert, Duration)>,
         wrap: Option<StoreWrap>,
@@ -271,12 +337,23 @@ impl TestHub {
         let mut config = HubConfig::new(url.clone());
         configure(&mut config);
         config.url = url.clone();
-        let mut store: Arc<dyn KvStore> = Arc::new(open_sled(dir).await?);
-        if let Some(wrap) = wrap {
-            store = wrap(store);
-        }
-        let hub = Hub::start(store, config, Clock::System, SharedRng::from_entropy())
-            .map_err(io::Error::other)?;
+        let rng = SharedRng::from_entropy();
+        let hub = match location {
+            Location::Dir(dir) => {
+                let mut store: Arc<dyn KvStore> = Arc::new(open_sled(dir).await?);
+                if let Some(wrap) = wrap {
+                    store = wrap(store);
+                }
+                Hub::start(store, config, Clock::System, rng).map_err(io::Error::other)?
+            }
+            Location::Postgres(url) => {
+                // A small pool: many test hubs share one test server.
+                let store = PgHubStore::open(url, 4, &rng)
+                    .await
+                    .map_err(io::Error::other)?;
+                Hub::start_on(store, config, Clock::System, rng).map_err(io::Error::other)?
+            }
+        };
         let (tls, connector) = match tls {
             Some((cert, handshake_timeout)) => {
                 let listener = TlsListener::new(listener, cert.server_config()?)
@@ -296,6 +373,7 @@ impl TestHub {
             addr,
             url,
             dir: dir.to_path_buf(),
+            location: location.clone(),
             tls,
             connector,
             _temp: None,

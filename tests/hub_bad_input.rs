@@ -6,15 +6,15 @@ mod common;
 use common::*;
 use futures::SinkExt;
 use hubsync::hub::Limits;
-use hubsync::testkit::{signing_key, TestHub};
+use hubsync::testkit::{signing_key, TestHub, TestStore};
 use hubsync::wire::{
     ClientFrame, ExpectedHead, HubError, PublishOutcome, Request, ServerFrame, TopicId,
 };
 use proptest::prelude::*;
 use tokio_tungstenite::tungstenite::Message;
 
-async fn hub() -> TestHub {
-    TestHub::start_with(|c| {
+async fn hub(store: TestStore) -> TestHub {
+    TestHub::start_on(store, |c| {
         c.limits = Limits::unthrottled();
         c.limits.max_payload = 64 * 1024;
     })
@@ -37,9 +37,8 @@ fn expect_error(got: Got) -> HubError {
     }
 }
 
-#[tokio::test]
-async fn malformed_frames_get_named_errors_and_change_nothing() {
-    let hub = hub().await;
+async fn malformed_frames_get_named_errors_and_change_nothing(store: TestStore) {
+    let hub = hub(store).await;
     let good = hub.client(&signing_key(1)).await.unwrap();
     good.publish(log("shared", 1, ExpectedHead::Empty, b"before"))
         .await
@@ -134,9 +133,8 @@ async fn malformed_frames_get_named_errors_and_change_nothing() {
     assert!(hub.hub().metrics().bad_frames >= 8);
 }
 
-#[tokio::test]
-async fn frames_before_auth_are_refused_without_effect() {
-    let hub = hub().await;
+async fn frames_before_auth_are_refused_without_effect(store: TestStore) {
+    let hub = hub(store).await;
     let before = snapshot(&hub).await;
     let mut raw = RawConn::open(hub.url()).await;
     raw.send(&request(
@@ -180,7 +178,7 @@ async fn frames_before_auth_are_refused_without_effect() {
 #[test]
 fn random_bytes_never_hurt_the_hub() {
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let hub = rt.block_on(hub());
+    let hub = rt.block_on(hub(TestStore::Sled));
     let url = hub.url().to_string();
     let conns = std::cell::RefCell::new(rt.block_on(async {
         (
@@ -215,3 +213,8 @@ fn random_bytes_never_hurt_the_hub() {
             .unwrap();
     });
 }
+
+on_both_stores!(
+    malformed_frames_get_named_errors_and_change_nothing,
+    frames_before_auth_are_refused_without_effect,
+);

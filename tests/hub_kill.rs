@@ -1,25 +1,46 @@
 //! Durability: the real `hubsync hub` binary is killed with SIGKILL during a
-//! storm of publishes, restarted on the same directory, and every publish it
-//! had answered `accepted` is there, in order, under its sequence number.
+//! storm of publishes, restarted on the same store (a sled directory, or a
+//! PostgreSQL database), and every publish it had answered `accepted` is
+//! there, in order, under its sequence number.
 
 mod common;
 
 use common::*;
 use hubsync::client::{ClientOptions, HubClient};
-use hubsync::testkit::signing_key;
+use hubsync::testkit::{signing_key, TestPostgres, TestStore};
 use hubsync::transport::TcpConnector;
 use hubsync::wire::{ExpectedHead, PublishOutcome, TopicId};
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
-use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-fn spawn_hub(dir: &Path, listen: &str) -> (Child, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_hubsync"))
-        .args(["hub", "--listen", listen, "--data"])
-        .arg(dir)
+/// Where the hub process keeps its data.
+enum Store {
+    Dir(tempfile::TempDir),
+    Postgres(String),
+}
+
+impl Store {
+    async fn new(kind: TestStore) -> Store {
+        match kind {
+            TestStore::Sled => Store::Dir(tempfile::tempdir().unwrap()),
+            TestStore::Postgres => {
+                Store::Postgres(TestPostgres::shared().unwrap().database().await.unwrap())
+            }
+        }
+    }
+}
+
+fn spawn_hub(store: &Store, listen: &str) -> (Child, String) {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_hubsync"));
+    cmd.args(["hub", "--listen", listen]);
+    match store {
+        Store::Dir(dir) => cmd.arg("--data").arg(dir.path()),
+        Store::Postgres(url) => cmd.args(["--store", url]),
+    };
+    let mut child = cmd
         .args(["--device-rate", "1000000", "--device-burst", "1000000"])
         .args(["--topic-rate", "1000000", "--topic-burst", "1000000"])
         .stdout(Stdio::piped())
@@ -41,10 +62,9 @@ fn spawn_hub(dir: &Path, listen: &str) -> (Child, String) {
 
 type Accepted = Arc<Mutex<BTreeMap<(String, u64), Vec<u8>>>>;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn accepted_publishes_survive_sigkill() {
-    let dir = tempfile::tempdir().unwrap();
-    let (mut child, url) = spawn_hub(dir.path(), "127.0.0.1:0");
+async fn accepted_publishes_survive_sigkill(kind: TestStore) {
+    let store = Store::new(kind).await;
+    let (mut child, url) = spawn_hub(&store, "127.0.0.1:0");
     let accepted: Accepted = Arc::default();
     let mut workers = Vec::new();
     for w in 0..4u64 {
@@ -97,7 +117,7 @@ async fn accepted_publishes_survive_sigkill() {
     );
     eprintln!("accepted before SIGKILL: {}", accepted.len());
 
-    let (mut child, url) = spawn_hub(dir.path(), "127.0.0.1:0");
+    let (mut child, url) = spawn_hub(&store, "127.0.0.1:0");
     let reader = HubClient::connect(
         &TcpConnector,
         &url,
@@ -156,4 +176,18 @@ async fn accepted_publishes_survive_sigkill() {
     Command::new("kill").args(["-TERM", &pid]).status().unwrap();
     let status = child.wait().unwrap();
     assert!(status.success(), "hub exit status {status:?}");
+}
+
+mod accepted_publishes_survive_sigkill {
+    use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn sled() {
+        accepted_publishes_survive_sigkill(TestStore::Sled).await
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres() {
+        accepted_publishes_survive_sigkill(TestStore::Postgres).await
+    }
 }

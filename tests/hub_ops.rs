@@ -5,7 +5,7 @@ mod common;
 use common::*;
 use hubsync::client::{ClientError, ClientOptions, HubClient, Push};
 use hubsync::hub::{Limits, Rate};
-use hubsync::testkit::{signing_key, FaultyKv, TestHub};
+use hubsync::testkit::{signing_key, FaultyKv, TestHub, TestStore};
 use hubsync::transport::TcpConnector;
 use hubsync::wire::{
     Challenge, ClientFrame, ExpectedHead, FrameRef, HubError, PublishOutcome, Request,
@@ -31,9 +31,8 @@ async fn no_push(rx: &mut tokio::sync::mpsc::Receiver<Push>) {
     assert!(r.is_err(), "expected no push, got {r:?}");
 }
 
-#[tokio::test]
-async fn auth_accepts_a_valid_signature_and_refuses_each_bad_one() {
-    let hub = TestHub::start_with(|c| c.challenge_ttl = Duration::from_millis(400))
+async fn auth_accepts_a_valid_signature_and_refuses_each_bad_one(store: TestStore) {
+    let hub = TestHub::start_on(store, |c| c.challenge_ttl = Duration::from_millis(400))
         .await
         .unwrap();
     let key = signing_key(1);
@@ -119,9 +118,8 @@ async fn auth_accepts_a_valid_signature_and_refuses_each_bad_one() {
     assert!(hub.hub().metrics().auth_failures >= 6);
 }
 
-#[tokio::test]
-async fn publish_fetch_and_cas_answers() {
-    let hub = TestHub::start_with(unthrottled).await.unwrap();
+async fn publish_fetch_and_cas_answers(store: TestStore) {
+    let hub = TestHub::start_on(store, unthrottled).await.unwrap();
     let c = hub.client(&signing_key(1)).await.unwrap();
     let t = TopicId::from("log");
 
@@ -196,9 +194,8 @@ async fn publish_fetch_and_cas_answers() {
     );
 }
 
-#[tokio::test]
-async fn duplicate_conflict_and_replay_only() {
-    let hub = TestHub::start_with(unthrottled).await.unwrap();
+async fn duplicate_conflict_and_replay_only(store: TestStore) {
+    let hub = TestHub::start_on(store, unthrottled).await.unwrap();
     let a = hub.client(&signing_key(1)).await.unwrap();
     let b = hub.client(&signing_key(2)).await.unwrap();
     let t = TopicId::from("t");
@@ -256,9 +253,8 @@ async fn duplicate_conflict_and_replay_only() {
     );
 }
 
-#[tokio::test]
-async fn publish_limits_are_named_errors() {
-    let hub = TestHub::start_with(|c| {
+async fn publish_limits_are_named_errors(store: TestStore) {
+    let hub = TestHub::start_on(store, |c| {
         c.limits.max_payload = 1000;
         c.limits.max_topic = 8;
         c.limits.device_rate = Rate {
@@ -339,9 +335,8 @@ async fn publish_limits_are_named_errors() {
     ));
 }
 
-#[tokio::test]
-async fn topic_rate_limit_spans_devices() {
-    let hub = TestHub::start_with(|c| {
+async fn topic_rate_limit_spans_devices(store: TestStore) {
+    let hub = TestHub::start_on(store, |c| {
         c.limits.topic_rate = Rate {
             per_sec: 1.0,
             burst: 2.0,
@@ -366,9 +361,8 @@ async fn topic_rate_limit_spans_devices() {
         .unwrap();
 }
 
-#[tokio::test]
-async fn subscriptions_are_limited_durable_and_never_clamped() {
-    let hub = TestHub::start_with(|c| {
+async fn subscriptions_are_limited_durable_and_never_clamped(store: TestStore) {
+    let hub = TestHub::start_on(store, |c| {
         c.limits = Limits::unthrottled();
         c.limits.max_subscriptions = 2;
     })
@@ -394,17 +388,11 @@ async fn subscriptions_are_limited_durable_and_never_clamped() {
     c.subscribe(&TopicId::from("c"), None).await.unwrap();
 
     // Subscriptions survive a restart of the hub.
-    let dir = tempfile::tempdir().unwrap();
-    let h = TestHub::start_at(dir.path(), "127.0.0.1:0", unthrottled)
-        .await
-        .unwrap();
+    let h = TestHub::start_on(store, unthrottled).await.unwrap();
     let sub = h.client(&signing_key(5)).await.unwrap();
     sub.subscribe(&TopicId::from("x"), None).await.unwrap();
     drop(sub);
-    h.stop().await;
-    let h = TestHub::start_at(dir.path(), "127.0.0.1:0", unthrottled)
-        .await
-        .unwrap();
+    let h = h.restart(unthrottled).await.unwrap();
     let publisher = h.client(&signing_key(6)).await.unwrap();
     publisher
         .publish(mailbox("x", 1, b"after restart"))
@@ -420,9 +408,8 @@ async fn subscriptions_are_limited_durable_and_never_clamped() {
     h.stop().await;
 }
 
-#[tokio::test]
-async fn mailbox_reaches_every_subscriber_but_the_sender_until_acked() {
-    let hub = TestHub::start_with(unthrottled).await.unwrap();
+async fn mailbox_reaches_every_subscriber_but_the_sender_until_acked(store: TestStore) {
+    let hub = TestHub::start_on(store, unthrottled).await.unwrap();
     let keys: Vec<_> = (1..=3).map(signing_key).collect();
     let clients: Vec<_> = futures::future::join_all(keys.iter().map(|k| hub.client(k)))
         .await
@@ -505,9 +492,8 @@ async fn mailbox_reaches_every_subscriber_but_the_sender_until_acked() {
     no_push(&mut rx1).await;
 }
 
-#[tokio::test]
-async fn receive_stream_cut_and_resumed_loses_nothing_and_repeats_nothing_acked() {
-    let hub = TestHub::start_with(unthrottled).await.unwrap();
+async fn receive_stream_cut_and_resumed_loses_nothing_and_repeats_nothing_acked(store: TestStore) {
+    let hub = TestHub::start_on(store, unthrottled).await.unwrap();
     let pubr = hub.client(&signing_key(1)).await.unwrap();
     let key = signing_key(2);
     let sub = hub.client(&key).await.unwrap();
@@ -562,9 +548,8 @@ async fn receive_stream_cut_and_resumed_loses_nothing_and_repeats_nothing_acked(
     assert_eq!(union, all);
 }
 
-#[tokio::test]
-async fn cas_race_has_exactly_one_winner() {
-    let hub = TestHub::start_with(unthrottled).await.unwrap();
+async fn cas_race_has_exactly_one_winner(store: TestStore) {
+    let hub = TestHub::start_on(store, unthrottled).await.unwrap();
     let seed = hub.client(&signing_key(100)).await.unwrap();
     seed.publish(log("race", 0, ExpectedHead::Empty, b"genesis"))
         .await
@@ -603,9 +588,8 @@ impl ClientOwned for TestHub {
     }
 }
 
-#[tokio::test]
-async fn log_trim_by_depth_reports_gap() {
-    let hub = TestHub::start_with(|c| {
+async fn log_trim_by_depth_reports_gap(store: TestStore) {
+    let hub = TestHub::start_on(store, |c| {
         c.limits = Limits::unthrottled();
         c.limits.max_log_depth = 5;
     })
@@ -643,9 +627,8 @@ async fn log_trim_by_depth_reports_gap() {
     );
 }
 
-#[tokio::test]
-async fn log_trim_by_retention_removes_only_a_prefix() {
-    let hub = TestHub::start_with(unthrottled).await.unwrap();
+async fn log_trim_by_retention_removes_only_a_prefix(store: TestStore) {
+    let hub = TestHub::start_on(store, unthrottled).await.unwrap();
     let c = hub.client(&signing_key(1)).await.unwrap();
     let t = TopicId::from("aging");
     let mut p = log("aging", 1, ExpectedHead::Unconditional, b"long-lived");
@@ -677,9 +660,8 @@ async fn log_trim_by_retention_removes_only_a_prefix() {
     assert_eq!(f.head, Some(3));
 }
 
-#[tokio::test]
-async fn key_packages_claimed_exactly_once_under_concurrency() {
-    let hub = TestHub::start_with(|c| {
+async fn key_packages_claimed_exactly_once_under_concurrency(store: TestStore) {
+    let hub = TestHub::start_on(store, |c| {
         c.limits = Limits::unthrottled();
         c.limits.max_key_packages = 10;
         c.limits.max_key_package_bytes = 64;
@@ -741,9 +723,8 @@ async fn key_packages_claimed_exactly_once_under_concurrency() {
     assert_eq!(owner.key_package_status().await.unwrap(), (0, true));
 }
 
-#[tokio::test]
-async fn ping_and_requests_before_auth() {
-    let hub = TestHub::start().await.unwrap();
+async fn ping_and_requests_before_auth(store: TestStore) {
+    let hub = TestHub::start_on(store, |_| {}).await.unwrap();
     let c = hub.client(&signing_key(1)).await.unwrap();
     assert!(c.ping().await.unwrap() > 1_600_000_000_000);
     let mut raw = RawConn::open(hub.url()).await;
@@ -788,9 +769,8 @@ async fn group_commit_shares_flushes_between_concurrent_publishes() {
 /// A new stream pushes what the device did not acknowledge, from the
 /// lowest unacknowledged frame on: frames acknowledged above it come again
 /// (the cursor is one number per subscription), frames below it never do.
-#[tokio::test]
-async fn receive_resumes_after_what_was_acknowledged() {
-    let hub = TestHub::start_with(unthrottled).await.unwrap();
+async fn receive_resumes_after_what_was_acknowledged(store: TestStore) {
+    let hub = TestHub::start_on(store, unthrottled).await.unwrap();
     let a = hub.client(&signing_key(1)).await.unwrap();
     let key = signing_key(2);
     let b = hub.client(&key).await.unwrap();
@@ -884,9 +864,8 @@ async fn a_cursor_the_store_cannot_save_is_counted_and_its_frames_come_again() {
     assert_eq!(again, vec![1, 2, 3]);
 }
 
-#[tokio::test]
-async fn fetch_answers_fit_in_one_frame() {
-    let hub = TestHub::start_with(|c| {
+async fn fetch_answers_fit_in_one_frame(store: TestStore) {
+    let hub = TestHub::start_on(store, |c| {
         c.limits = Limits::unthrottled();
         c.limits.max_payload = 10_000;
     })
@@ -911,9 +890,8 @@ async fn fetch_answers_fit_in_one_frame() {
     );
 }
 
-#[tokio::test]
-async fn retries_of_accepted_publishes_are_not_rate_limited() {
-    let hub = TestHub::start_with(|c| {
+async fn retries_of_accepted_publishes_are_not_rate_limited(store: TestStore) {
+    let hub = TestHub::start_on(store, |c| {
         c.limits.device_rate = Rate {
             per_sec: 0.001,
             burst: 1.0,
@@ -932,9 +910,8 @@ async fn retries_of_accepted_publishes_are_not_rate_limited() {
     }
 }
 
-#[tokio::test]
-async fn an_oversized_publish_is_refused_by_name_not_by_timeout() {
-    let hub = TestHub::start_with(|c| c.limits.max_payload = 1000)
+async fn an_oversized_publish_is_refused_by_name_not_by_timeout(store: TestStore) {
+    let hub = TestHub::start_on(store, |c| c.limits.max_payload = 1000)
         .await
         .unwrap();
     let c = hub.client(&signing_key(1)).await.unwrap();
@@ -954,40 +931,28 @@ async fn an_oversized_publish_is_refused_by_name_not_by_timeout() {
     c.ping().await.unwrap();
 }
 
-#[tokio::test]
-async fn store_id_is_kept_across_a_restart_and_new_for_a_new_directory() {
-    let dir = tempfile::tempdir().unwrap();
-    let h = TestHub::start_at(dir.path(), "127.0.0.1:0", unthrottled)
-        .await
-        .unwrap();
+async fn store_id_is_kept_across_a_restart_and_new_for_a_new_store(store: TestStore) {
+    let h = TestHub::start_on(store, unthrottled).await.unwrap();
     let first = h.hub().store_id();
     let c = h.client(&signing_key(1)).await.unwrap();
     assert_eq!(c.store_id(), first, "the client learns it from AuthOk");
     c.close();
-    h.stop().await;
-
-    let h = TestHub::start_at(dir.path(), "127.0.0.1:0", unthrottled)
-        .await
-        .unwrap();
+    let h = h.restart(unthrottled).await.unwrap();
     assert_eq!(h.hub().store_id(), first, "read back, not drawn again");
     let c = h.client(&signing_key(1)).await.unwrap();
     assert_eq!(c.store_id(), first);
     c.close();
     h.stop().await;
 
-    let other = tempfile::tempdir().unwrap();
-    let h = TestHub::start_at(other.path(), "127.0.0.1:0", unthrottled)
-        .await
-        .unwrap();
-    assert_ne!(h.hub().store_id(), first, "a new directory, a new store");
+    let h = TestHub::start_on(store, unthrottled).await.unwrap();
+    assert_ne!(h.hub().store_id(), first, "a new store, a new identity");
     let c = h.client(&signing_key(1)).await.unwrap();
     assert_eq!(c.store_id(), h.hub().store_id());
     h.stop().await;
 }
 
-#[tokio::test]
-async fn auth_ok_carries_the_store_id_and_the_agreed_version() {
-    let hub = TestHub::start().await.unwrap();
+async fn auth_ok_carries_the_store_id_and_the_agreed_version(store: TestStore) {
+    let hub = TestHub::start_on(store, |_| {}).await.unwrap();
     let key = signing_key(1);
     let mut c = RawConn::open(hub.url()).await;
     assert_eq!(
@@ -1006,14 +971,13 @@ async fn auth_ok_carries_the_store_id_and_the_agreed_version() {
     }
 }
 
-#[tokio::test]
-async fn an_older_device_is_refused_by_name() {
+async fn an_older_device_is_refused_by_name(store: TestStore) {
     // Version 1 had no store id in AuthOk, version 2 no writer proof in
     // Publish, version 3 delivery ids: an older device must hear
     // `UnsupportedVersion`, not get (or send) a frame the other side cannot
     // decode.
     for old in [1, 2, 3] {
-        let hub = TestHub::start().await.unwrap();
+        let hub = TestHub::start_on(store, |_| {}).await.unwrap();
         let mut c = RawConn::open(hub.url()).await;
         let mut a = c.auth_for(&signing_key(1));
         a.version = old;
@@ -1078,9 +1042,8 @@ async fn a_version_1_hub_is_refused_by_name() {
 /// A client asks a topic's head without reading a frame; another device's
 /// mailbox head is refused like its frames; and a request made on a closed
 /// client is told apart from one whose outcome is unknown.
-#[tokio::test]
-async fn head_is_asked_alone_and_a_request_that_never_left_says_so() {
-    let hub = TestHub::start_with(unthrottled).await.unwrap();
+async fn head_is_asked_alone_and_a_request_that_never_left_says_so(store: TestStore) {
+    let hub = TestHub::start_on(store, unthrottled).await.unwrap();
     let c = hub.client(&signing_key(1)).await.unwrap();
     let other = hub.client(&signing_key(2)).await.unwrap();
     let t = TopicId::from("heads");
@@ -1108,3 +1071,27 @@ async fn head_is_asked_alone_and_a_request_that_never_left_says_so() {
     assert!(ClientError::Disconnected.outcome_unknown());
     assert_eq!(other.head(&t).await.unwrap(), Some(3), "nothing was sent");
 }
+
+on_both_stores!(
+    auth_accepts_a_valid_signature_and_refuses_each_bad_one,
+    publish_fetch_and_cas_answers,
+    duplicate_conflict_and_replay_only,
+    publish_limits_are_named_errors,
+    topic_rate_limit_spans_devices,
+    subscriptions_are_limited_durable_and_never_clamped,
+    mailbox_reaches_every_subscriber_but_the_sender_until_acked,
+    receive_stream_cut_and_resumed_loses_nothing_and_repeats_nothing_acked,
+    cas_race_has_exactly_one_winner,
+    log_trim_by_depth_reports_gap,
+    log_trim_by_retention_removes_only_a_prefix,
+    key_packages_claimed_exactly_once_under_concurrency,
+    ping_and_requests_before_auth,
+    receive_resumes_after_what_was_acknowledged,
+    fetch_answers_fit_in_one_frame,
+    retries_of_accepted_publishes_are_not_rate_limited,
+    an_oversized_publish_is_refused_by_name_not_by_timeout,
+    store_id_is_kept_across_a_restart_and_new_for_a_new_store,
+    auth_ok_carries_the_store_id_and_the_agreed_version,
+    an_older_device_is_refused_by_name,
+    head_is_asked_alone_and_a_request_that_never_left_says_so,
+);

@@ -9,6 +9,7 @@ mod core;
 mod flush;
 mod layout;
 mod limits;
+mod postgres;
 mod rules;
 mod server;
 mod store;
@@ -22,6 +23,7 @@ mod quota_tests;
 pub use self::core::{Durable, HubCore, Published, PurgeReport, StreamPage};
 pub use self::layout::DeviceUsage;
 pub use self::limits::{Limits, Rate};
+pub use self::postgres::{PgHubStore, PgOpenError, DEFAULT_POOL_SIZE};
 pub use self::store::{Generation, HubStore, HubTxn, KvHubStore, StoreError};
 pub use self::stream::TopicStart;
 

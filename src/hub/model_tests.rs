@@ -515,6 +515,44 @@ fn conflicts_without_end_are_refused_and_write_nothing() {
     });
 }
 
+/// Sixteen devices, spread over `cores` (hub processes over one store),
+/// publish at once on an empty topic, each expecting it empty; answers how
+/// many were accepted (checking every other answer is the head they lost
+/// to). The store's isolation must make it exactly one.
+pub(super) async fn race_compare_and_set(cores: &[Arc<HubCore>]) -> usize {
+    let mut racers = Vec::new();
+    for i in 0..16u8 {
+        let core = cores[usize::from(i) % cores.len()].clone();
+        racers.push(tokio::spawn(async move {
+            let p = Publish {
+                topic: topic_id(0),
+                publish_id: PublishId([i; 32]),
+                payload: vec![i],
+                class: RetentionClass::Log,
+                expected_head: ExpectedHead::Empty,
+                replay_only: false,
+                retention_secs: None,
+                writer: None,
+            };
+            let d = core.publish(DeviceId([i + 1; 32]), p).await.unwrap();
+            core.durable(d.gen).await.unwrap();
+            d.value.outcome
+        }));
+    }
+    let mut accepted = 0;
+    for r in racers {
+        match r.await.unwrap() {
+            PublishOutcome::Accepted { seq, .. } => {
+                assert_eq!(seq, 1);
+                accepted += 1;
+            }
+            PublishOutcome::HeadMismatch { current } => assert_eq!(current, Some(1)),
+            other => panic!("unexpected outcome {other:?}"),
+        }
+    }
+    accepted
+}
+
 /// Two cores over one store (two hub processes over one database, in
 /// miniature) race a compare-and-set on the same head: the store's
 /// isolation lets exactly one win.
@@ -533,36 +571,7 @@ fn two_cores_over_one_store_let_exactly_one_compare_and_set_win() {
         let cores: Vec<Arc<HubCore>> = (0..2)
             .map(|_| HubCore::open(store.clone(), Limits::unthrottled(), Clock::System))
             .collect();
-        let mut racers = Vec::new();
-        for i in 0..16u8 {
-            let core = cores[usize::from(i % 2)].clone();
-            racers.push(tokio::spawn(async move {
-                let p = Publish {
-                    topic: topic_id(0),
-                    publish_id: PublishId([i; 32]),
-                    payload: vec![i],
-                    class: RetentionClass::Log,
-                    expected_head: ExpectedHead::Empty,
-                    replay_only: false,
-                    retention_secs: None,
-                    writer: None,
-                };
-                let d = core.publish(DeviceId([i + 1; 32]), p).await.unwrap();
-                core.durable(d.gen).await.unwrap();
-                d.value.outcome
-            }));
-        }
-        let mut accepted = 0;
-        for r in racers {
-            match r.await.unwrap() {
-                PublishOutcome::Accepted { seq, .. } => {
-                    assert_eq!(seq, 1);
-                    accepted += 1;
-                }
-                PublishOutcome::HeadMismatch { current } => assert_eq!(current, Some(1)),
-                other => panic!("unexpected outcome {other:?}"),
-            }
-        }
+        let accepted = race_compare_and_set(&cores).await;
         assert_eq!(accepted, 1, "exactly one compare-and-set wins");
         flusher.abort();
     });

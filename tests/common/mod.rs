@@ -13,6 +13,25 @@ use tokio::net::TcpStream;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 
+/// Run each named test body, an `async fn(TestStore)`, on both hub stores:
+/// as `<name>::sled` and `<name>::postgres` (the PostgreSQL one on this
+/// test process's own server, `hubsync::testkit::TestPostgres`).
+#[macro_export]
+macro_rules! on_both_stores {
+    ($($name:ident),* $(,)?) => {$(
+        mod $name {
+            #[tokio::test]
+            async fn sled() {
+                super::$name(hubsync::testkit::TestStore::Sled).await
+            }
+            #[tokio::test]
+            async fn postgres() {
+                super::$name(hubsync::testkit::TestStore::Postgres).await
+            }
+        }
+    )*};
+}
+
 pub const MAX: usize = 4 << 20;
 
 /// What a raw connection read.
