@@ -238,6 +238,31 @@ impl TestHub {
         }
     }
 
+    /// Start another hub on `other`'s store (a new port), as a second
+    /// `hubsync hub --store` process on the same PostgreSQL database; both
+    /// serve the same devices and groups. A sled store cannot be shared
+    /// (sled locks its directory): that start fails.
+    ///
+    /// # Errors
+    /// When no port can be had or the store cannot be opened.
+    pub async fn start_beside(
+        other: &TestHub,
+        configure: impl FnOnce(&mut HubConfig),
+    ) -> io::Result<TestHub> {
+        let temp = Arc::new(tempfile::tempdir()?);
+        let mut hub = Self::start_inner(
+            temp.path(),
+            &other.location,
+            "127.0.0.1:0",
+            None,
+            None,
+            configure,
+        )
+        .await?;
+        hub._temp = Some(temp);
+        Ok(hub)
+    }
+
     /// Stop the hub cleanly and start it again on the same store (and a new
     /// port), as an operator's restart does.
     ///

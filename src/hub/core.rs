@@ -528,6 +528,11 @@ impl HubCore {
         }
         tx.put(meta_key, l::encode(&meta));
         usage.stage(tx);
+        if !recipients.is_empty() {
+            // Other hub processes on this store wake the recipients'
+            // streams they hold; this one wakes its own (the server).
+            tx.announce(&p.topic, seq, &recipients);
+        }
         Ok(Published {
             outcome: PublishOutcome::Accepted {
                 seq,
@@ -694,6 +699,18 @@ impl HubCore {
             Some(bytes) => Ok(Some(l::decode(key, &bytes).map_err(kv_internal)?)),
             None => Ok(None),
         }
+    }
+
+    /// The last sequence number `topic` has given out (0 for none), as
+    /// committed now: how far a receive stream may read it.
+    ///
+    /// # Errors
+    /// `Internal`.
+    pub async fn last_seq(&self, topic: &TopicId) -> Result<u64, HubError> {
+        Ok(self
+            .read_committed::<TopicMeta>(&l::topic_meta(topic))
+            .await?
+            .map_or(0, |m| m.last_seq))
     }
 
     /// Subscribe `device` to `topic` (or change the retention of an existing

@@ -5,6 +5,7 @@
 //! [`Listener`], with the store's background work (for [`KvHubStore`], the
 //! group-commit flusher) and a retention purge running beside it.
 
+mod announce;
 mod core;
 mod flush;
 mod layout;
@@ -20,6 +21,7 @@ mod model_tests;
 #[cfg(test)]
 mod quota_tests;
 
+pub use self::announce::Remote;
 pub use self::core::{Durable, HubCore, Published, PurgeReport, StreamPage};
 pub use self::layout::DeviceUsage;
 pub use self::limits::{Limits, Rate};
@@ -220,6 +222,58 @@ impl HubShared {
         }
     }
 
+    /// Frame `seq` of `topic` is durable: wake every stream that follows
+    /// the topic (an announcement that did not name its recipients).
+    fn wake_followers(&self, topic: &TopicId, seq: u64) {
+        let sessions = self.sessions.lock().unwrap_or_else(|p| p.into_inner());
+        for s in sessions.values() {
+            if s.stream.follows(topic) {
+                s.stream.woken(topic, seq);
+            }
+        }
+    }
+
+    /// Announcements may have been missed: every stream reads each topic
+    /// it follows up to the topic's committed head.
+    async fn wake_all(&self) {
+        let streams: Vec<Arc<server::Stream>> = {
+            let sessions = self.sessions.lock().unwrap_or_else(|p| p.into_inner());
+            sessions.values().map(|s| s.stream.clone()).collect()
+        };
+        let mut heads: BTreeMap<TopicId, u64> = BTreeMap::new();
+        for stream in streams {
+            for topic in stream.followed() {
+                let seq = match heads.get(&topic) {
+                    Some(seq) => *seq,
+                    // A failed read is counted as an internal error; that
+                    // stream reads the topic at its next wake.
+                    None => match self.core.last_seq(&topic).await {
+                        Ok(seq) => *heads.entry(topic.clone()).or_insert(seq),
+                        Err(_) => continue,
+                    },
+                };
+                stream.woken(&topic, seq);
+            }
+        }
+    }
+
+    /// What another hub process on the store announced.
+    async fn remote(&self, r: Remote) {
+        match r {
+            Remote::Frame {
+                topic,
+                seq,
+                recipients: Some(devices),
+            } => self.wake(&devices, &topic, seq),
+            Remote::Frame {
+                topic,
+                seq,
+                recipients: None,
+            } => self.wake_followers(&topic, seq),
+            Remote::Missed => self.wake_all().await,
+        }
+    }
+
     /// The lock a receive stream of `device` holds while it runs.
     fn stream_lock(&self, device: DeviceId) -> Arc<tokio::sync::Mutex<()>> {
         let mut locks = self.stream_locks.lock().unwrap_or_else(|p| p.into_inner());
@@ -283,6 +337,7 @@ impl Hub {
     ) -> Result<Hub, HubStartError> {
         config.check()?;
         let flusher = tokio::spawn(store.background());
+        let announcements = store.announcements();
         let core = HubCore::open(store, config.limits.clone(), clock.clone());
         let shared = Arc::new(HubShared {
             core,
@@ -297,6 +352,23 @@ impl Hub {
             next_conn: AtomicU64::new(1),
             counters: ServerCounters::default(),
         });
+        if let Some(mut announcements) = announcements {
+            // Frames other hub processes on the store accepted: wake the
+            // streams this one holds for them.
+            let s = shared.clone();
+            shared.tasks.spawn(async move {
+                loop {
+                    let r = tokio::select! {
+                        _ = s.shutdown.cancelled() => break,
+                        r = announcements.recv() => r,
+                    };
+                    match r {
+                        Some(r) => s.remote(r).await,
+                        None => break,
+                    }
+                }
+            });
+        }
         let purger = shared.clone();
         shared.tasks.spawn(async move {
             let interval = purger.config.purge_interval;

@@ -28,24 +28,38 @@
 //! run on the pool's connections side by side, and the server's own group
 //! commit shares WAL flushes between them.
 //!
+//! Several processes on one database push each other's frames: a publish
+//! that has recipients sends, inside its transaction, a `NOTIFY` on the
+//! channel `hubsync_frames` ([`announce`](super::announce) says what it
+//! holds), which PostgreSQL delivers only if the transaction commits; each
+//! store keeps one more connection that `LISTEN`s on it and hands what
+//! arrives to its hub ([`HubStore::announcements`]), which wakes the
+//! receive streams it holds. LISTEN/NOTIFY rather than polling a delivery
+//! table: it costs nothing while idle, adds one statement to the publish's
+//! pipeline, and delivers within a round trip; what it does not promise
+//! (delivery while the listener is reconnecting) is covered by the
+//! listener telling its hub that it may have missed announcements, upon
+//! which every stream reads its topics' heads again.
+//!
 //! The SQL is plain: `BYTEA`, `INSERT … ON CONFLICT … DO UPDATE`, `UNNEST`
 //! of arrays, `SERIALIZABLE`; nothing PostgreSQL-specific beyond what
 //! CockroachDB and YugabyteDB also run (docs/operations.md).
 
+use super::announce::{self, Remote};
 use super::layout as l;
 use super::store::{Generation, HubStore, HubTxn, StoreError};
 use crate::kv::{Entries, KvError};
 use crate::rng::SharedRng;
-use crate::wire::StoreId;
+use crate::wire::{DeviceId, StoreId, TopicId};
 use futures::future::BoxFuture;
-use futures::FutureExt;
+use futures::{FutureExt, StreamExt};
 use std::collections::BTreeMap;
 use std::str::FromStr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tokio_postgres::error::SqlState;
-use tokio_postgres::{Client, NoTls, Statement};
+use tokio_postgres::{AsyncMessage, Client, NoTls, Statement};
 
 /// The schema, one step per version; a store records the versions it has.
 /// Steps are only ever appended.
@@ -89,6 +103,10 @@ pub struct PgHubStore {
     id: StoreId,
     /// Commits that wrote something; each was durable when it answered.
     commits: Arc<AtomicU64>,
+    /// This process's name in its announcements (it ignores its own).
+    origin: u64,
+    /// Text on the announcement channel that was not an announcement.
+    bad_announcements: Arc<AtomicU64>,
 }
 
 impl PgHubStore {
@@ -128,6 +146,8 @@ impl PgHubStore {
             pool,
             id,
             commits: Arc::new(AtomicU64::new(0)),
+            origin: rng.next_u64(),
+            bad_announcements: Arc::new(AtomicU64::new(0)),
         }))
     }
 }
@@ -238,8 +258,15 @@ fn is_conflict(e: &tokio_postgres::Error) -> bool {
     )
 }
 
+/// SQLSTATEs of two processes creating the same table at once (even with
+/// `IF NOT EXISTS`, the catalog can refuse the second): look again.
 fn is_duplicate(e: &tokio_postgres::Error) -> bool {
-    e.code() == Some(&SqlState::UNIQUE_VIOLATION)
+    matches!(
+        e.code(),
+        Some(c) if *c == SqlState::UNIQUE_VIOLATION
+            || *c == SqlState::DUPLICATE_TABLE
+            || *c == SqlState::DUPLICATE_OBJECT
+    )
 }
 
 fn engine(e: tokio_postgres::Error) -> StoreError {
@@ -268,6 +295,7 @@ struct Statements {
     range_open: Statement,
     upsert: Statement,
     delete: Statement,
+    notify: Statement,
 }
 
 struct Conn {
@@ -353,7 +381,7 @@ impl Pool {
             let client = &client;
             async move { client.prepare(sql).await.map_err(PoolError::Sql) }
         };
-        let (get, range, range_open, upsert, delete) = futures::try_join!(
+        let (get, range, range_open, upsert, delete, notify) = futures::try_join!(
             prepare("SELECT v FROM hub_kv WHERE k = $1"),
             prepare("SELECT k, v FROM hub_kv WHERE k >= $1 AND k < $2 ORDER BY k LIMIT $3"),
             prepare("SELECT k, v FROM hub_kv WHERE k >= $1 ORDER BY k LIMIT $2"),
@@ -362,6 +390,7 @@ impl Pool {
                  ON CONFLICT (k) DO UPDATE SET v = EXCLUDED.v"
             ),
             prepare("DELETE FROM hub_kv WHERE k = ANY($1::BYTEA[])"),
+            prepare("SELECT pg_notify('hubsync_frames', n) FROM UNNEST($1::TEXT[]) AS n"),
         )?;
         Ok(Conn {
             client,
@@ -371,6 +400,7 @@ impl Pool {
                 range_open,
                 upsert,
                 delete,
+                notify,
             },
             in_txn: false,
         })
@@ -438,6 +468,10 @@ struct PgTxn {
     /// Whether `BEGIN` was sent (it travels with the first request).
     begun: bool,
     writes: BTreeMap<Vec<u8>, Option<Vec<u8>>>,
+    /// Announcements sent with the commit (`NOTIFY` is delivered only if
+    /// the transaction commits).
+    announcements: Vec<String>,
+    origin: u64,
     commits: Arc<AtomicU64>,
 }
 
@@ -524,6 +558,11 @@ impl HubTxn for PgTxn {
         self.writes.insert(key, None);
     }
 
+    fn announce(&mut self, topic: &TopicId, seq: u64, recipients: &[DeviceId]) {
+        self.announcements
+            .push(announce::encode(self.origin, topic, seq, recipients));
+    }
+
     fn commit(mut self: Box<Self>) -> BoxFuture<'static, Result<Generation, StoreError>> {
         async move {
             if self.writes.is_empty() && !self.begun {
@@ -564,6 +603,14 @@ impl HubTxn for PgTxn {
                     client.execute(&c.stmts.delete, &[&deletes]).await
                 }
             };
+            let announcements = std::mem::take(&mut self.announcements);
+            let notify = async {
+                if announcements.is_empty() {
+                    Ok(0)
+                } else {
+                    client.execute(&c.stmts.notify, &[&announcements]).await
+                }
+            };
             let begin_req = async {
                 if begin {
                     client.batch_execute(BEGIN).await
@@ -571,8 +618,14 @@ impl HubTxn for PgTxn {
                     Ok(())
                 }
             };
-            futures::try_join!(begin_req, upsert, delete, client.batch_execute("COMMIT"))
-                .map_err(engine)?;
+            futures::try_join!(
+                begin_req,
+                upsert,
+                delete,
+                notify,
+                client.batch_execute("COMMIT")
+            )
+            .map_err(engine)?;
             c.in_txn = false;
             if wrote {
                 Ok(self.commits.fetch_add(1, Ordering::AcqRel) + 1)
@@ -596,6 +649,8 @@ impl HubStore for PgHubStore {
                 conn,
                 begun: false,
                 writes: BTreeMap::new(),
+                announcements: Vec::new(),
+                origin: self.origin,
                 commits: self.commits.clone(),
             });
             Ok(txn)
@@ -634,6 +689,109 @@ impl HubStore for PgHubStore {
     fn flushes(&self) -> u64 {
         self.commits.load(Ordering::Acquire)
     }
+
+    fn announcements(&self) -> Option<mpsc::Receiver<Remote>> {
+        let (tx, rx) = mpsc::channel(ANNOUNCEMENT_QUEUE);
+        let config = self.pool.config.clone();
+        let origin = self.origin;
+        let bad = self.bad_announcements.clone();
+        tokio::spawn(async move {
+            loop {
+                let ended = tokio::select! {
+                    // The hub stopped reading.
+                    _ = tx.closed() => return,
+                    ended = listen(&config, &tx, origin, &bad) => ended,
+                };
+                if tx.is_closed() {
+                    return;
+                }
+                if let Err(e) = ended {
+                    tracing::warn!(
+                        error = %e,
+                        "hub store: the connection listening for other hub processes ended; \
+                         reconnecting (streams read their topics again once it is back)"
+                    );
+                }
+                tokio::time::sleep(LISTEN_RETRY).await;
+            }
+        });
+        Some(rx)
+    }
+}
+
+impl PgHubStore {
+    /// Text that arrived on the announcement channel and was not an
+    /// announcement (only something else with access to the database can
+    /// send it): ignored, and counted here.
+    pub fn bad_announcements(&self) -> u64 {
+        self.bad_announcements.load(Ordering::Relaxed)
+    }
+}
+
+/// Announcements waiting for the hub; when it is full, the rest are
+/// dropped and the hub is told [`Remote::Missed`] (it reads every followed
+/// topic's head again), so the queue is bounded and nothing is lost.
+const ANNOUNCEMENT_QUEUE: usize = 4096;
+
+/// How long the listener waits before connecting again.
+const LISTEN_RETRY: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Listen for other processes' announcements on one connection until it
+/// ends, passing them to `tx`. Once listening, it first says
+/// [`Remote::Missed`]: whatever was announced before (while no connection
+/// listened) is unknown.
+async fn listen(
+    config: &tokio_postgres::Config,
+    tx: &mpsc::Sender<Remote>,
+    origin: u64,
+    bad: &AtomicU64,
+) -> Result<(), tokio_postgres::Error> {
+    let (client, mut connection) = config.connect(NoTls).await?;
+    // The connection's messages, notifications among them; polling them
+    // also drives the client's requests.
+    let mut messages = futures::stream::poll_fn(move |cx| connection.poll_message(cx));
+    {
+        let listening = client.batch_execute("LISTEN hubsync_frames");
+        tokio::pin!(listening);
+        loop {
+            tokio::select! {
+                r = &mut listening => {
+                    r?;
+                    break;
+                }
+                m = messages.next() => match m {
+                    Some(Ok(_)) => {}
+                    Some(Err(e)) => return Err(e),
+                    None => return Ok(()),
+                },
+            }
+        }
+    }
+    if tx.send(Remote::Missed).await.is_err() {
+        return Ok(());
+    }
+    while let Some(m) = messages.next().await {
+        let AsyncMessage::Notification(n) = m? else {
+            continue;
+        };
+        match announce::decode(n.payload()) {
+            Some((from, _)) if from == origin => {}
+            Some((_, remote)) => match tx.try_send(remote) {
+                Ok(()) => {}
+                Err(mpsc::error::TrySendError::Full(_)) => {
+                    if tx.send(Remote::Missed).await.is_err() {
+                        return Ok(());
+                    }
+                }
+                Err(mpsc::error::TrySendError::Closed(_)) => return Ok(()),
+            },
+            None => {
+                bad.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+    drop(client);
+    Ok(())
 }
 
 #[cfg(test)]

@@ -660,6 +660,16 @@ impl Stream {
         self.wake.notify_one();
     }
 
+    /// Whether the stream follows `topic`.
+    pub(crate) fn follows(&self, topic: &TopicId) -> bool {
+        self.state().follows(topic)
+    }
+
+    /// The topics the stream follows.
+    pub(crate) fn followed(&self) -> Vec<TopicId> {
+        self.state().followed()
+    }
+
     /// Stop pushing `topic`.
     fn forget(&self, topic: &TopicId) {
         self.state().forget(topic);

@@ -29,11 +29,12 @@
 //! shared by several hub processes keeps them with the database's own
 //! transactions instead.
 
+use super::announce::Remote;
 use super::flush::GroupCommit;
 use super::layout as l;
 use crate::kv::{Entries, KvError, KvStore, WriteBatch};
 use crate::rng::SharedRng;
-use crate::wire::StoreId;
+use crate::wire::{DeviceId, StoreId, TopicId};
 use futures::future::BoxFuture;
 use futures::FutureExt;
 use std::sync::Arc;
@@ -85,6 +86,12 @@ pub trait HubTxn: Send {
 
     /// Stage the removal of `key`.
     fn delete(&mut self, key: Vec<u8>);
+
+    /// When (and only if) this transaction commits, tell every other hub
+    /// process on this store that frame `seq` of `topic` is durable for
+    /// `recipients` ([`announce`](super::announce)). A store no other
+    /// process shares has nobody to tell: the default does nothing.
+    fn announce(&mut self, _topic: &TopicId, _seq: u64, _recipients: &[DeviceId]) {}
 
     /// Apply every staged write as one atomic step and answer the
     /// generation to wait for before telling anyone (a transaction that
@@ -151,6 +158,14 @@ pub trait HubStore: Send + Sync + 'static {
     /// How many flushes (or database commits) made data durable, for
     /// operators comparing it with accepted publishes.
     fn flushes(&self) -> u64;
+
+    /// What other hub processes on this store announce
+    /// ([`HubTxn::announce`]), from now on, on a bounded queue; `None` (the
+    /// default) for a store no other process shares. The hub calls it once,
+    /// at start, and wakes its receive streams with what arrives.
+    fn announcements(&self) -> Option<tokio::sync::mpsc::Receiver<Remote>> {
+        None
+    }
 }
 
 /// A [`HubStore`] over a [`KvStore`], for one hub process: transactions run

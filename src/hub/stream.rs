@@ -98,6 +98,11 @@ impl StreamState {
         self.topics.contains_key(topic)
     }
 
+    /// The topics the stream follows.
+    pub fn followed(&self) -> Vec<TopicId> {
+        self.topics.keys().cloned().collect()
+    }
+
     /// Stop following `topic` (it was unsubscribed); its unacknowledged
     /// frames are forgotten.
     pub fn forget(&mut self, topic: &TopicId) {
