@@ -197,6 +197,10 @@ struct HubArgs {
     /// Connections to PostgreSQL this process keeps at most (--store).
     #[arg(long, default_value_t = hubsync::hub::DEFAULT_POOL_SIZE)]
     store_pool: usize,
+    /// Serve the hub's counters in Prometheus's text format at
+    /// http://ADDR/metrics (bind it where only operators reach it).
+    #[arg(long, value_name = "ADDR")]
+    metrics: Option<String>,
     /// The URL devices dial and sign; defaults to ws://<listen address>, or
     /// wss://<listen address> with TLS. With TLS it must be wss://, and its
     /// host one the certificate names.
@@ -315,6 +319,14 @@ async fn run_hub(args: HubArgs) -> Result<(), String> {
     let listener = TcpAcceptor::bind(&args.listen)
         .await
         .map_err(|e| format!("cannot listen on {}: {e}", args.listen))?;
+    let metrics = match &args.metrics {
+        Some(addr) => Some(
+            tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|e| format!("cannot serve metrics on {addr}: {e}"))?,
+        ),
+        None => None,
+    };
     let addr = listener.local_addr().map_err(|e| e.to_string())?;
     let url = hub_url(args.public_url.clone(), addr, tls.is_some())?;
     let rng = SharedRng::from_entropy();
@@ -357,6 +369,12 @@ async fn run_hub(args: HubArgs) -> Result<(), String> {
         ..Limits::default()
     };
     let hub = Hub::start_on(store, config, Clock::System, rng).map_err(|e| e.to_string())?;
+    if let Some(listener) = metrics {
+        if let Ok(addr) = listener.local_addr() {
+            tracing::info!(%addr, "metrics at http://{addr}/metrics");
+        }
+        hub.serve_metrics(listener);
+    }
     let tls_stats = match tls {
         Some(config) => {
             let listener = TlsListener::new(listener, config);

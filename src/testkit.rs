@@ -62,7 +62,8 @@ pub enum TestStore {
 #[derive(Clone, Debug)]
 enum Location {
     Dir(PathBuf),
-    Postgres(String),
+    /// A database URL, and how many connections a hub keeps to it.
+    Postgres(String, usize),
 }
 
 /// A deterministic signing key for tests: the same `n` gives the same device.
@@ -227,15 +228,28 @@ impl TestHub {
             TestStore::Sled => Self::start_with(configure).await,
             TestStore::Postgres => {
                 let url = TestPostgres::shared()?.database().await?;
-                let temp = Arc::new(tempfile::tempdir()?);
-                let location = Location::Postgres(url);
-                let mut hub =
-                    Self::start_inner(temp.path(), &location, "127.0.0.1:0", None, None, configure)
-                        .await?;
-                hub._temp = Some(temp);
-                Ok(hub)
+                // A small pool: many test hubs share one test server.
+                Self::start_on_database(&url, 4, configure).await
             }
         }
+    }
+
+    /// Start a hub on the PostgreSQL database `url` (as `hubsync hub
+    /// --store URL --store-pool POOL`), on a free port.
+    ///
+    /// # Errors
+    /// When no port can be had or the store cannot be opened.
+    pub async fn start_on_database(
+        url: &str,
+        pool: usize,
+        configure: impl FnOnce(&mut HubConfig),
+    ) -> io::Result<TestHub> {
+        let temp = Arc::new(tempfile::tempdir()?);
+        let location = Location::Postgres(url.to_string(), pool);
+        let mut hub =
+            Self::start_inner(temp.path(), &location, "127.0.0.1:0", None, None, configure).await?;
+        hub._temp = Some(temp);
+        Ok(hub)
     }
 
     /// Start another hub on `other`'s store (a new port), as a second
@@ -371,9 +385,8 @@ impl TestHub {
                 }
                 Hub::start(store, config, Clock::System, rng).map_err(io::Error::other)?
             }
-            Location::Postgres(url) => {
-                // A small pool: many test hubs share one test server.
-                let store = PgHubStore::open(url, 4, &rng)
+            Location::Postgres(url, pool) => {
+                let store = PgHubStore::open(url, *pool, &rng)
                     .await
                     .map_err(io::Error::other)?;
                 Hub::start_on(store, config, Clock::System, rng).map_err(io::Error::other)?

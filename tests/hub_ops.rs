@@ -1072,6 +1072,76 @@ async fn head_is_asked_alone_and_a_request_that_never_left_says_so(store: TestSt
     assert_eq!(other.head(&t).await.unwrap(), Some(3), "nothing was sent");
 }
 
+/// GET `path` from the metrics endpoint at `addr`, sending `request`
+/// as-is when given; answers the whole response.
+async fn http(addr: std::net::SocketAddr, request: &[u8]) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(request).await.unwrap();
+    let mut out = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut out))
+        .await
+        .unwrap()
+        .unwrap();
+    String::from_utf8(out).unwrap()
+}
+
+#[tokio::test]
+async fn the_metrics_endpoint_counts_publishes_and_refusals_and_shrugs_off_garbage() {
+    let hub = TestHub::start_with(|c| {
+        c.limits = Limits::unthrottled();
+        c.limits.topic_rate = Rate {
+            per_sec: 0.001,
+            burst: 1.0,
+        };
+    })
+    .await
+    .unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    hub.hub().serve_metrics(listener);
+    let c = hub.client(&signing_key(1)).await.unwrap();
+    c.publish(log("m", 1, ExpectedHead::Unconditional, b"one"))
+        .await
+        .unwrap();
+    let limited = c
+        .publish(log("m", 2, ExpectedHead::Unconditional, b"two"))
+        .await;
+    assert!(
+        matches!(limited, Err(ClientError::Hub(HubError::RateLimited { .. }))),
+        "{limited:?}"
+    );
+
+    // A stranger's garbage, a wrong path and a request that never ends
+    // are answered (or cut) without effect on the endpoint.
+    assert!(http(addr, b"\x00\x01garbage\r\n\r\n")
+        .await
+        .starts_with("HTTP/1.1 400"));
+    assert!(http(addr, b"GET /admin HTTP/1.1\r\n\r\n")
+        .await
+        .starts_with("HTTP/1.1 404"));
+    let endless = vec![b'a'; 64 * 1024];
+    let _ = tokio::time::timeout(Duration::from_secs(10), async {
+        use tokio::io::AsyncWriteExt;
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let _ = s.write_all(&endless).await;
+    })
+    .await;
+
+    let text = http(addr, b"GET /metrics HTTP/1.1\r\nhost: x\r\n\r\n").await;
+    assert!(text.starts_with("HTTP/1.1 200 OK"), "{text}");
+    assert!(
+        text.contains("hubsync_hub_publishes_total{outcome=\"accepted\"} 1\n"),
+        "{text}"
+    );
+    assert!(
+        text.contains("hubsync_hub_rate_limited_total{scope=\"topic\"} 1\n"),
+        "{text}"
+    );
+    assert!(text.contains("hubsync_hub_open_connections 1\n"), "{text}");
+    hub.stop().await;
+}
+
 on_both_stores!(
     auth_accepts_a_valid_signature_and_refuses_each_bad_one,
     publish_fetch_and_cas_answers,

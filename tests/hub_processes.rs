@@ -2,14 +2,18 @@
 //! test process, each with its own connections and its own listener for
 //! the other's announcements, as two `hubsync hub --store` processes have.
 //! A device may be connected to either; what one accepts, the other pushes.
+//! The last test runs two real `hubsync hub` processes behind one URL and
+//! kills one with SIGKILL.
 
 mod common;
 
 use common::*;
 use hubsync::client::{HubClient, Push};
+use hubsync::device::{GroupId, InboxMessage};
 use hubsync::hub::Limits;
-use hubsync::testkit::{signing_key, TestHub, TestPostgres, TestStore};
-use hubsync::wire::{ExpectedHead, PublishOutcome, TopicId};
+use hubsync::testkit::{signing_key, TestDevice, TestHub, TestPostgres, TestStore};
+use hubsync::wire::{DeviceId, ExpectedHead, PublishOutcome, TopicId};
+use std::collections::HashSet;
 use std::time::Duration;
 
 fn unthrottled(c: &mut hubsync::hub::HubConfig) {
@@ -149,4 +153,168 @@ async fn frames_announced_while_the_listener_was_away_still_arrive() {
     }
     let want: Vec<Vec<u8>> = (1..=5u8).map(|i| vec![i]).collect();
     assert_eq!(deliveries(&mut rx, 5).await, want);
+}
+
+/// A load balancer in miniature on the address of `url`: each new
+/// connection goes to the next backend in turn, skipping one that refuses.
+async fn balancer_at(url: &str, backends: Vec<String>) -> String {
+    let addr = url.trim_start_matches("ws://").to_string();
+    let listener = tokio::net::TcpListener::bind(&addr).await.unwrap();
+    tokio::spawn(async move {
+        let mut next = 0usize;
+        loop {
+            let Ok((mut inbound, _)) = listener.accept().await else {
+                return;
+            };
+            let mut outbound = None;
+            for i in 0..backends.len() {
+                let backend = &backends[(next + i) % backends.len()];
+                if let Ok(s) = tokio::net::TcpStream::connect(backend).await {
+                    outbound = Some(s);
+                    next = (next + i + 1) % backends.len();
+                    break;
+                }
+            }
+            if let Some(mut outbound) = outbound {
+                tokio::spawn(async move {
+                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                });
+            }
+        }
+    });
+    url.to_string()
+}
+
+/// A hub process, killed when dropped (also when a test fails).
+struct HubProcess(std::process::Child);
+
+impl HubProcess {
+    fn kill(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Drop for HubProcess {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// `hubsync hub --store URL` behind the public URL `public`: the process
+/// and the address it listens on.
+fn spawn_hub(store: &str, public: &str) -> (HubProcess, String) {
+    use std::io::{BufRead, BufReader};
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_hubsync"))
+        .args(["hub", "--listen", "127.0.0.1:0", "--store", store])
+        .args(["--public-url", public])
+        .args(["--device-rate", "1000000", "--device-burst", "1000000"])
+        .args(["--topic-rate", "1000000", "--topic-burst", "1000000"])
+        .args(["--claimer-rate", "1000000", "--claimer-burst", "1000000"])
+        .args(["--target-rate", "1000000", "--target-burst", "1000000"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn hubsync hub");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().expect("stdout"))
+        .read_line(&mut line)
+        .expect("the listening line");
+    let addr = line
+        .split_whitespace()
+        .nth(4)
+        .unwrap_or_else(|| panic!("unexpected first line: {line:?}"))
+        .to_string();
+    (HubProcess(child), addr)
+}
+
+/// Every message in `d`'s inbox of `g`, once `want` have arrived (within
+/// 30 s); fails on any message held twice.
+async fn inbox_of(d: &TestDevice, g: GroupId, want: usize) -> Vec<InboxMessage> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let got = d.messages(g, 0, 10_000).unwrap();
+        let ids: HashSet<(DeviceId, [u8; 16])> = got.iter().map(|m| (m.sender, m.id)).collect();
+        assert_eq!(ids.len(), got.len(), "a message held twice");
+        if got.len() >= want {
+            return got;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{} of {want} messages arrived",
+            got.len()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Two `hubsync hub` processes on one database behind one URL; devices'
+/// connections are spread over both, so one group spans both. One process
+/// is killed with SIGKILL while every member sends; the devices that were
+/// on it reconnect through the same URL to the other, and every member
+/// receives every message exactly once; a commit afterwards lands.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn devices_on_two_processes_lose_nothing_when_one_is_killed() {
+    let store = TestPostgres::shared().unwrap().database().await.unwrap();
+    let lb = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let public = format!("ws://{}", lb.local_addr().unwrap());
+    drop(lb);
+    let (mut first, first_addr) = spawn_hub(&store, &public);
+    let (mut second, second_addr) = spawn_hub(&store, &public);
+    // The balancer takes the public address now free again.
+    let url = balancer_at(&public, vec![first_addr, second_addr]).await;
+    let u = vec![url];
+    let devices = [
+        TestDevice::open(&u).await.unwrap(),
+        TestDevice::open(&u).await.unwrap(),
+        TestDevice::open(&u).await.unwrap(),
+    ];
+    for d in &devices {
+        d.ready_for_invites(Duration::from_secs(20)).await.unwrap();
+    }
+    let g = devices[0].create_group(&u).await.unwrap();
+    for d in &devices[1..] {
+        devices[0].invite(g, d.id()).await.unwrap();
+    }
+    for d in &devices[1..] {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        while d.members(g).await.map(|m| m.len()).unwrap_or(0) < 3 {
+            assert!(tokio::time::Instant::now() < deadline, "no welcome");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    const EACH: usize = 10;
+    let sending = devices.iter().enumerate().map(|(i, d)| async move {
+        for n in 0..EACH {
+            d.send(g, format!("from {i} #{n}").as_bytes())
+                .await
+                .unwrap();
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    });
+    let killing = async {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        // SIGKILL: nothing of the process's own shutdown runs.
+        first.kill();
+    };
+    futures::join!(futures::future::join_all(sending), killing);
+
+    for (i, d) in devices.iter().enumerate() {
+        let got = inbox_of(d, g, 2 * EACH).await;
+        let mut bodies: Vec<String> = got
+            .iter()
+            .map(|m| String::from_utf8(m.body.clone()).unwrap())
+            .collect();
+        bodies.sort();
+        let mut want: Vec<String> = (0..3)
+            .filter(|s| *s != i)
+            .flat_map(|s| (0..EACH).map(move |n| format!("from {s} #{n}")))
+            .collect();
+        want.sort();
+        assert_eq!(bodies, want, "device {i}");
+    }
+    // The group still commits, through the surviving process.
+    devices[1].rotate_keys(g).await.unwrap();
+    second.kill();
 }

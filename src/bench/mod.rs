@@ -11,6 +11,10 @@
 //! The pairs measured now (`--pairs` picks kinds by the name in brackets):
 //! - [cas] durable compare-and-set publishes, each publisher on its own
 //!   topic, against a raw tokio-tungstenite echo of the same bytes;
+//! - [postgres] the same publishes on the PostgreSQL store, with one hub
+//!   process and with two on one database, against them on sled (the bench
+//!   starts its own PostgreSQL server, `fsync = on`, from the machine's
+//!   binaries; without them, these pairs are reported as not measured);
 //! - [fanout] fan-out from one publisher to N subscribers through the hub,
 //!   against a raw tokio-tungstenite broadcast of the same frames;
 //! - [app] an application message end to end in a group of N devices,
@@ -50,6 +54,9 @@ use std::time::Duration;
 pub enum PairKind {
     /// Durable compare-and-set publishes against a raw WebSocket echo.
     Cas,
+    /// The same publishes on the PostgreSQL store (one and two hub
+    /// processes) against sled.
+    Postgres,
     /// Fan-out against a raw WebSocket broadcast.
     Fanout,
     /// An application message end to end against raw OpenMLS.
@@ -73,8 +80,9 @@ pub enum PairKind {
 
 impl PairKind {
     /// Every kind, in the order a run measures them.
-    pub const ALL: [PairKind; 9] = [
+    pub const ALL: [PairKind; 10] = [
         PairKind::Cas,
+        PairKind::Postgres,
         PairKind::Fanout,
         PairKind::App,
         PairKind::Nats,
@@ -89,6 +97,7 @@ impl PairKind {
     pub fn name(self) -> &'static str {
         match self {
             PairKind::Cas => "cas",
+            PairKind::Postgres => "postgres",
             PairKind::Fanout => "fanout",
             PairKind::App => "app",
             PairKind::Nats => "nats",
@@ -249,6 +258,7 @@ pub enum BenchError {
 pub async fn run(opts: &BenchOptions) -> Result<Report, BenchError> {
     let has = |k: PairKind| opts.pairs.contains(&k);
     let pairs = usize::from(has(PairKind::Cas))
+        + usize::from(has(PairKind::Postgres)) * 2
         + usize::from(has(PairKind::Fanout)) * opts.subscribers.len()
         + usize::from(has(PairKind::App)) * opts.members.len()
         + usize::from(has(PairKind::Nats)) * (2 + opts.subscribers.len())
@@ -262,6 +272,9 @@ pub async fn run(opts: &BenchOptions) -> Result<Report, BenchError> {
     let mut not_measured = Vec::new();
     if has(PairKind::Cas) {
         rows.push(cas_pair(opts, &bar).await?);
+    }
+    if has(PairKind::Postgres) {
+        postgres_pairs(opts, &bar, &mut rows, &mut not_measured).await?;
     }
     if has(PairKind::Fanout) {
         for &n in &opts.subscribers {
@@ -450,6 +463,82 @@ async fn cas_pair(opts: &BenchOptions, bar: &indicatif::ProgressBar) -> Result<R
         // Its target is against NATS JetStream, not yet measured here.
         None,
     ))
+}
+
+/// The PostgreSQL store's durable compare-and-set publishes, with one hub
+/// process and with two on the same database (the publishers split between
+/// them), against the same publishes on sled, on a PostgreSQL server of the
+/// bench's own with `fsync = on` (so both sides flush before every ack).
+async fn postgres_pairs(
+    opts: &BenchOptions,
+    bar: &indicatif::ProgressBar,
+    rows: &mut Vec<Row>,
+    not_measured: &mut Vec<NotMeasured>,
+) -> Result<(), BenchError> {
+    let work = |processes: usize| {
+        format!(
+            "durable CAS publishes, {} publishers, own topics, {} B, PostgreSQL store, \
+             {processes} hub process{}, vs sled",
+            opts.publishers,
+            opts.payload,
+            if processes == 1 { "" } else { "es" }
+        )
+    };
+    let server = match crate::testkit::TestPostgres::start_durable() {
+        Ok(server) => server,
+        Err(e) => {
+            let reason = format!("no PostgreSQL server: {e}");
+            for processes in [1, 2] {
+                not_measured.push(NotMeasured::new(work(processes), &reason, None));
+            }
+            bar.inc((opts.rounds * 2 * 2) as u64);
+            return Ok(());
+        }
+    };
+    let setup = |what: &str, e: std::io::Error| BenchError::Setup(format!("{what}: {e}"));
+    let url = server
+        .database()
+        .await
+        .map_err(|e| setup("PostgreSQL database", e))?;
+    let unthrottled = |c: &mut crate::hub::HubConfig| c.limits = Limits::unthrottled();
+    let first = TestHub::start_on_database(&url, crate::hub::DEFAULT_POOL_SIZE, unthrottled)
+        .await
+        .map_err(|e| setup("hub on PostgreSQL", e))?;
+    let second = TestHub::start_beside(&first, unthrottled)
+        .await
+        .map_err(|e| setup("second hub on PostgreSQL", e))?;
+    let sled = bench_hub().await?;
+    let sled_pubs = clients(&sled, 1, opts.publishers).await?;
+    let (payload, len) = (opts.payload, opts.slice);
+    for processes in [1usize, 2] {
+        let on_second = if processes == 2 {
+            opts.publishers / 2
+        } else {
+            0
+        };
+        let first_key = 1_000_000 * processes as u64;
+        let mut pubs = clients(&first, first_key, opts.publishers - on_second).await?;
+        pubs.extend(clients(&second, first_key + 500_000, on_second).await?);
+        let (base, hub) = alternate(
+            &work(processes),
+            opts.rounds,
+            bar,
+            async || load::cas_publishes(&sled_pubs, payload, len).await,
+            async || load::cas_publishes(&pubs, payload, len).await,
+        )
+        .await?;
+        rows.push(Row::new(
+            work(processes),
+            Figure::rate("publishes/s", &hub),
+            Figure::rate("publishes/s (sled store)", &base),
+            None,
+        ));
+    }
+    first.stop().await;
+    second.stop().await;
+    sled.stop().await;
+    drop(server);
+    Ok(())
 }
 
 async fn fanout_pair(

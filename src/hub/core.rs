@@ -701,6 +701,11 @@ impl HubCore {
         }
     }
 
+    /// Requests refused with `RateLimited` so far, by scope.
+    pub fn rate_limit_refusals(&self) -> crate::hub::RateLimitRefusals {
+        self.rate.refusals()
+    }
+
     /// The last sequence number `topic` has given out (0 for none), as
     /// committed now: how far a receive stream may read it.
     ///

@@ -253,6 +253,47 @@ struct AllBuckets {
     mailboxes: Buckets<(DeviceId, DeviceId)>,
     claimers: Buckets<DeviceId>,
     targets: Buckets<DeviceId>,
+    refused: RateLimitRefusals,
+}
+
+/// Requests refused with `RateLimited`, by the scope of the bucket that
+/// was empty.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RateLimitRefusals {
+    /// A device's own bucket (publishes, subscribes, key-package calls).
+    pub device: u64,
+    /// A topic's bucket (publishes to it, all devices together).
+    pub topic: u64,
+    /// A (sender, mailbox) pair's bucket.
+    pub mailbox: u64,
+    /// A claimer's key-package claims.
+    pub claimer: u64,
+    /// Claims of one device's key packages, all claimers together.
+    pub target: u64,
+}
+
+impl RateLimitRefusals {
+    fn count(&mut self, scope: &str) {
+        let n = match scope {
+            "device" => &mut self.device,
+            "topic" => &mut self.topic,
+            "mailbox" => &mut self.mailbox,
+            "claimer" => &mut self.claimer,
+            _ => &mut self.target,
+        };
+        *n += 1;
+    }
+
+    /// Every scope with its count, in a fixed order.
+    pub fn by_scope(&self) -> [(&'static str, u64); 5] {
+        [
+            ("device", self.device),
+            ("topic", self.topic),
+            ("mailbox", self.mailbox),
+            ("claimer", self.claimer),
+            ("target", self.target),
+        ]
+    }
 }
 
 impl AllBuckets {
@@ -295,6 +336,7 @@ impl RateLimiter {
                 mailboxes: Buckets::new(limits.mailbox_rate),
                 claimers: Buckets::new(limits.claimer_rate),
                 targets: Buckets::new(limits.target_rate),
+                refused: RateLimitRefusals::default(),
             }),
         }
     }
@@ -307,6 +349,7 @@ impl RateLimiter {
         for key in keys {
             let (wait, scope) = g.wait_ms(*key, now);
             if wait > 0 {
+                g.refused.count(scope);
                 return Err(HubError::RateLimited {
                     scope: scope.into(),
                     retry_after_ms: wait,
@@ -317,6 +360,11 @@ impl RateLimiter {
             g.take(*key);
         }
         Ok(())
+    }
+
+    /// What was refused so far, by scope.
+    pub(crate) fn refusals(&self) -> RateLimitRefusals {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner()).refused
     }
 
     /// Take one token from the device's bucket and, when given, the topic's.

@@ -10,6 +10,7 @@ mod core;
 mod flush;
 mod layout;
 mod limits;
+mod metrics;
 mod postgres;
 mod rules;
 mod server;
@@ -24,7 +25,8 @@ mod quota_tests;
 pub use self::announce::Remote;
 pub use self::core::{Durable, HubCore, Published, PurgeReport, StreamPage};
 pub use self::layout::DeviceUsage;
-pub use self::limits::{Limits, Rate};
+pub use self::limits::{Limits, Rate, RateLimitRefusals};
+pub use self::metrics::prometheus_text;
 pub use self::postgres::{PgHubStore, PgOpenError, DEFAULT_POOL_SIZE};
 pub use self::store::{Generation, HubStore, HubTxn, KvHubStore, StoreError};
 pub use self::stream::TopicStart;
@@ -172,6 +174,8 @@ pub struct HubMetrics {
     /// moved (a store failure). Nothing is lost: the frames behind an
     /// unsaved cursor are pushed again on the device's next stream.
     pub cursor_save_failures: u64,
+    /// Requests refused with `RateLimited`, by scope.
+    pub rate_limited: RateLimitRefusals,
 }
 
 #[derive(Default)]
@@ -473,7 +477,38 @@ impl Hub {
             quota_refusals: r(&c.quota_refusals),
             not_authorized: r(&c.not_authorized),
             cursor_save_failures: r(&s.cursor_save_failures),
+            rate_limited: self.shared.core.rate_limit_refusals(),
         }
+    }
+
+    /// Serve the hub's counters in Prometheus's text format
+    /// ([`prometheus_text`]) on `listener`, to `GET /metrics`, until
+    /// [`Hub::shutdown`]. Returns at once; the endpoint runs as a task of
+    /// the hub. Bind it where only the operator reaches it.
+    pub fn serve_metrics(&self, listener: tokio::net::TcpListener) {
+        let hub = self.clone();
+        self.shared.tasks.spawn(async move {
+            loop {
+                let accepted = tokio::select! {
+                    _ = hub.shared.shutdown.cancelled() => break,
+                    r = listener.accept() => r,
+                };
+                match accepted {
+                    Ok((socket, _)) => {
+                        let h = hub.clone();
+                        hub.shared
+                            .tasks
+                            .spawn(async move { metrics::serve_one(socket, || h.metrics()).await });
+                    }
+                    Err(e) => {
+                        // Out of file descriptors, say: the hub's own
+                        // accept loop meets the same; wait a moment.
+                        tracing::warn!(error = %e, "metrics endpoint: accept failed");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                }
+            }
+        });
     }
 
     /// Stop accepting, close every connection (answers already being made

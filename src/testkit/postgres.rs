@@ -13,9 +13,10 @@
 //! `PATH`. PostgreSQL refuses to run as root; run as root, the server runs
 //! as the `postgres` user the package creates.
 //!
-//! The server runs with `fsync = off`: these tests are about what the
+//! The shared server runs with `fsync = off`: tests are about what the
 //! store's transactions decide, not about the disk; what the hub's ack
-//! promises on a real server is in docs/operations.md.
+//! promises on a real server is in docs/operations.md. Measurements start
+//! a server of their own with `fsync = on` ([`TestPostgres::start_durable`]).
 
 use std::io;
 use std::net::TcpListener;
@@ -45,12 +46,22 @@ impl TestPostgres {
     /// error says which, with the server's log.
     pub fn shared() -> io::Result<&'static TestPostgres> {
         SERVER
-            .get_or_init(|| Self::start().map_err(|e| e.to_string()))
+            .get_or_init(|| Self::start(false).map_err(|e| e.to_string()))
             .as_ref()
             .map_err(|e| io::Error::other(e.clone()))
     }
 
-    fn start() -> io::Result<TestPostgres> {
+    /// A server of its own with `fsync = on` (every commit flushed to disk,
+    /// as in production), for measurements; it stops, and its directory
+    /// goes, when the value is dropped.
+    ///
+    /// # Errors
+    /// As [`TestPostgres::shared`].
+    pub fn start_durable() -> io::Result<TestPostgres> {
+        Self::start(true)
+    }
+
+    fn start(durable: bool) -> io::Result<TestPostgres> {
         let bin = bin_dir()?;
         // Removed by the shell below when the tests end.
         let dir = tempfile::Builder::new()
@@ -85,9 +96,10 @@ impl TestPostgres {
         // (a static is never dropped, so no destructor could).
         let script = format!(
             "{postgres} -D {data} -p {port} -k {dir} -c listen_addresses=127.0.0.1 \
-             -c fsync=off -c full_page_writes=off -c max_connections=400 \
+             -c fsync={fsync} -c full_page_writes={fsync} -c max_connections=400 \
              -c shared_buffers=32MB >{log} 2>&1 & pid=$!; cat >/dev/null; \
              kill -INT $pid; wait $pid; rm -rf {dir}",
+            fsync = if durable { "on" } else { "off" },
             postgres = quote(&bin.join("postgres")),
             data = quote(&data),
             dir = quote(&dir),
