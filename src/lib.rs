@@ -12,6 +12,7 @@ pub mod clock;
 pub mod device;
 pub mod hub;
 pub mod kv;
+mod prom;
 pub mod rng;
 pub mod testkit;
 pub mod transport;

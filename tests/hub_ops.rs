@@ -1128,6 +1128,19 @@ async fn the_metrics_endpoint_counts_publishes_and_refusals_and_shrugs_off_garba
     })
     .await;
 
+    // An answer signed for another hub is refused, and counted by reason.
+    let mut raw = RawConn::open(hub.url()).await;
+    let wrong = signed_auth(
+        &signing_key(9),
+        &raw.challenge.clone(),
+        "ws://elsewhere.example",
+    );
+    raw.send(&ClientFrame::Auth(wrong)).await;
+    assert!(matches!(
+        raw.recv().await,
+        Got::Frame(ServerFrame::Error(HubError::WrongHub { .. }))
+    ));
+
     let text = http(addr, b"GET /metrics HTTP/1.1\r\nhost: x\r\n\r\n").await;
     assert!(text.starts_with("HTTP/1.1 200 OK"), "{text}");
     assert!(
@@ -1138,7 +1151,11 @@ async fn the_metrics_endpoint_counts_publishes_and_refusals_and_shrugs_off_garba
         text.contains("hubsync_hub_rate_limited_total{scope=\"topic\"} 1\n"),
         "{text}"
     );
-    assert!(text.contains("hubsync_hub_open_connections 1\n"), "{text}");
+    assert!(
+        text.contains("hubsync_hub_auth_failures_total{reason=\"wrong_hub\"} 1\n"),
+        "{text}"
+    );
+    assert!(text.contains("hubsync_hub_open_connections "), "{text}");
     hub.stop().await;
 }
 

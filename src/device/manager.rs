@@ -158,6 +158,79 @@ pub struct DeviceStats {
     pub receive_failures: u64,
 }
 
+impl DeviceStats {
+    /// The counters in Prometheus's text format (version 0.0.4), every
+    /// name prefixed `hubsync_device_`, for an app to serve or push to its
+    /// metrics system as it does its own.
+    pub fn prometheus_text(&self) -> String {
+        use crate::prom::{Kind::Counter, Kind::Gauge, PromText};
+        let mut t = PromText::new("hubsync_device_");
+        let counters: [(&str, &str, u64); 11] = [
+            (
+                "delivered_total",
+                "App messages delivered to the app.",
+                self.delivered,
+            ),
+            (
+                "duplicates_total",
+                "Frames dropped because another hub already delivered them.",
+                self.duplicates,
+            ),
+            (
+                "dropped_total",
+                "App frames dropped (a dead epoch, or a future one in drop mode).",
+                self.dropped,
+            ),
+            (
+                "poison_total",
+                "Commit-topic frames skipped as unreadable.",
+                self.poison,
+            ),
+            ("commits_total", "Commits this device landed.", self.commits),
+            (
+                "lost_races_total",
+                "Commit attempts that lost the race and were rebuilt.",
+                self.lost_races,
+            ),
+            (
+                "inbox_trimmed_total",
+                "Unprocessed inbox messages deleted because the inbox was full.",
+                self.inbox_trimmed,
+            ),
+            (
+                "control_failures_total",
+                "Members' control requests this device could not answer.",
+                self.control_failures,
+            ),
+            (
+                "key_packages_replaced_total",
+                "Times a hub's pool of this device's key packages was replaced.",
+                self.key_packages_replaced,
+            ),
+            (
+                "pull_failures_total",
+                "Reads of a group's commit log that failed.",
+                self.pull_failures,
+            ),
+            (
+                "receive_failures_total",
+                "App frames not handled and app log reads that failed (retried).",
+                self.receive_failures,
+            ),
+        ];
+        for (name, help, value) in counters {
+            t.one(name, Counter, help, value);
+        }
+        t.one(
+            "outbox_owed",
+            Gauge,
+            "Publishes the outbox owes its hubs now.",
+            self.outbox_owed as u64,
+        );
+        t.finish()
+    }
+}
+
 #[derive(Default)]
 pub(super) struct Counters {
     pub delivered: AtomicU64,

@@ -9,7 +9,7 @@
 //! address (docs/operations.md).
 
 use super::HubMetrics;
-use std::fmt::Write as _;
+use crate::prom::{Kind, PromText};
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -23,126 +23,116 @@ pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 /// `# HELP`, one `# TYPE` and its samples per metric, every name prefixed
 /// `hubsync_hub_`.
 pub fn prometheus_text(m: &HubMetrics) -> String {
-    let mut out = String::new();
-    let mut metric = |name: &str, kind: &str, help: &str, samples: &[(&str, u64)]| {
-        let _ = writeln!(out, "# HELP hubsync_hub_{name} {help}");
-        let _ = writeln!(out, "# TYPE hubsync_hub_{name} {kind}");
-        for (labels, value) in samples {
-            let _ = writeln!(out, "hubsync_hub_{name}{labels} {value}");
-        }
-    };
-    let one = |v: u64| [("", v)];
-    metric(
+    use Kind::{Counter, Gauge};
+    let mut t = PromText::new("hubsync_hub_");
+    t.one(
         "connections_total",
-        "counter",
+        Counter,
         "Connections accepted since start.",
-        &one(m.connections),
+        m.connections,
     );
-    metric(
+    t.one(
         "open_connections",
-        "gauge",
+        Gauge,
         "Connections open now.",
-        &one(m.open_connections),
+        m.open_connections,
     );
-    metric(
+    t.one(
         "unauthenticated_connections",
-        "gauge",
+        Gauge,
         "Connections open now that have not authenticated.",
-        &one(m.unauthenticated),
+        m.unauthenticated,
     );
-    metric(
+    t.labelled(
         "auth_failures_total",
-        "counter",
-        "Authentications refused.",
-        &one(m.auth_failures),
+        Counter,
+        "Authentications refused, by the error the device was told.",
+        "reason",
+        &m.auth_failures_by_reason.by_reason(),
     );
-    metric(
+    t.one(
         "auth_timeouts_total",
-        "counter",
+        Counter,
         "Connections closed for not authenticating in time.",
-        &one(m.auth_timeouts),
+        m.auth_timeouts,
     );
-    metric(
+    t.one(
         "unauthenticated_refused_total",
-        "counter",
+        Counter,
         "Connections closed at once because too many others had not authenticated.",
-        &one(m.unauthenticated_refused),
+        m.unauthenticated_refused,
     );
-    metric(
+    t.one(
         "bad_frames_total",
-        "counter",
+        Counter,
         "Frames refused as malformed, oversized, unknown, text, or before authentication.",
-        &one(m.bad_frames),
+        m.bad_frames,
     );
-    metric(
+    t.labelled(
         "publishes_total",
-        "counter",
+        Counter,
         "Publishes answered, by outcome.",
+        "outcome",
         &[
-            ("{outcome=\"accepted\"}", m.accepted),
-            ("{outcome=\"duplicate\"}", m.duplicates),
-            ("{outcome=\"head_mismatch\"}", m.head_mismatches),
-            ("{outcome=\"conflict\"}", m.conflicts),
-            ("{outcome=\"history_missing\"}", m.history_missing),
-            ("{outcome=\"mailbox_full\"}", m.mailbox_full),
-            ("{outcome=\"quota_exceeded\"}", m.quota_refusals),
+            ("accepted", m.accepted),
+            ("duplicate", m.duplicates),
+            ("head_mismatch", m.head_mismatches),
+            ("conflict", m.conflicts),
+            ("history_missing", m.history_missing),
+            ("mailbox_full", m.mailbox_full),
+            ("quota_exceeded", m.quota_refusals),
         ],
     );
-    let scopes = m.rate_limited.by_scope();
-    let labelled: Vec<(String, u64)> = scopes
-        .iter()
-        .map(|(scope, n)| (format!("{{scope=\"{scope}\"}}"), *n))
-        .collect();
-    let refusals: Vec<(&str, u64)> = labelled.iter().map(|(l, n)| (l.as_str(), *n)).collect();
-    metric(
+    t.labelled(
         "rate_limited_total",
-        "counter",
+        Counter,
         "Requests refused with RateLimited, by the scope of the empty bucket.",
-        &refusals,
+        "scope",
+        &m.rate_limited.by_scope(),
     );
-    metric(
+    t.one(
         "not_authorized_total",
-        "counter",
+        Counter,
         "Requests refused with NotAuthorized.",
-        &one(m.not_authorized),
+        m.not_authorized,
     );
-    metric(
+    t.one(
         "deliveries_pushed_total",
-        "counter",
+        Counter,
         "Deliveries pushed on receive streams.",
-        &one(m.deliveries_pushed),
+        m.deliveries_pushed,
     );
-    metric(
+    t.one(
         "frames_missed_total",
-        "counter",
+        Counter,
         "Times a receive stream found log frames trimmed before it reached them.",
-        &one(m.frames_missed),
+        m.frames_missed,
     );
-    metric(
+    t.one(
         "cursor_save_failures_total",
-        "counter",
+        Counter,
         "Times a receive stream could not save its cursors (frames are pushed again).",
-        &one(m.cursor_save_failures),
+        m.cursor_save_failures,
     );
-    metric(
+    t.one(
         "store_commits_total",
-        "counter",
+        Counter,
         "Store flushes (sled, group commit) or database commits (PostgreSQL) that made data durable.",
-        &one(m.flushes),
+        m.flushes,
     );
-    metric(
+    t.one(
         "store_conflict_retries_total",
-        "counter",
+        Counter,
         "Calls run again because their store transaction conflicted with another's.",
-        &one(m.conflict_retries),
+        m.conflict_retries,
     );
-    metric(
+    t.one(
         "trimmed_frames_total",
-        "counter",
+        Counter,
         "Log frames trimmed by depth or retention.",
-        &one(m.trimmed),
+        m.trimmed,
     );
-    out
+    t.finish()
 }
 
 /// What the endpoint answers to `request` (the bytes read so far, which

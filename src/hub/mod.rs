@@ -176,10 +176,90 @@ pub struct HubMetrics {
     pub cursor_save_failures: u64,
     /// Requests refused with `RateLimited`, by scope.
     pub rate_limited: RateLimitRefusals,
+    /// [`HubMetrics::auth_failures`] by the error the device was told.
+    pub auth_failures_by_reason: AuthFailures,
+}
+
+/// Authentications refused, by the error the device was told.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AuthFailures {
+    /// `UnsupportedVersion`: no protocol version in common.
+    pub unsupported_version: u64,
+    /// `ChallengeReplayed`: an answer to a challenge already used.
+    pub challenge_replayed: u64,
+    /// `UnknownChallenge`: an answer to a challenge this connection was
+    /// not given.
+    pub unknown_challenge: u64,
+    /// `ChallengeExpired`: answered after the challenge's TTL.
+    pub challenge_expired: u64,
+    /// `WrongHub`: signed for another hub URL.
+    pub wrong_hub: u64,
+    /// `BadSignature`: not a valid key or signature.
+    pub bad_signature: u64,
+    /// Any other refusal.
+    pub other: u64,
+}
+
+impl AuthFailures {
+    /// Every reason with its count, in a fixed order.
+    pub fn by_reason(&self) -> [(&'static str, u64); 7] {
+        [
+            ("unsupported_version", self.unsupported_version),
+            ("challenge_replayed", self.challenge_replayed),
+            ("unknown_challenge", self.unknown_challenge),
+            ("challenge_expired", self.challenge_expired),
+            ("wrong_hub", self.wrong_hub),
+            ("bad_signature", self.bad_signature),
+            ("other", self.other),
+        ]
+    }
+}
+
+/// [`AuthFailures`] as the server counts them.
+#[derive(Default)]
+struct AuthFailureCounters {
+    unsupported_version: AtomicU64,
+    challenge_replayed: AtomicU64,
+    unknown_challenge: AtomicU64,
+    challenge_expired: AtomicU64,
+    wrong_hub: AtomicU64,
+    bad_signature: AtomicU64,
+    other: AtomicU64,
+}
+
+impl AuthFailureCounters {
+    /// Count a refusal with `e`.
+    fn count(&self, e: &crate::wire::HubError) {
+        use crate::wire::HubError as E;
+        let n = match e {
+            E::UnsupportedVersion { .. } => &self.unsupported_version,
+            E::ChallengeReplayed => &self.challenge_replayed,
+            E::UnknownChallenge => &self.unknown_challenge,
+            E::ChallengeExpired => &self.challenge_expired,
+            E::WrongHub { .. } => &self.wrong_hub,
+            E::BadSignature => &self.bad_signature,
+            _ => &self.other,
+        };
+        n.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn snapshot(&self) -> AuthFailures {
+        let r = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        AuthFailures {
+            unsupported_version: r(&self.unsupported_version),
+            challenge_replayed: r(&self.challenge_replayed),
+            unknown_challenge: r(&self.unknown_challenge),
+            challenge_expired: r(&self.challenge_expired),
+            wrong_hub: r(&self.wrong_hub),
+            bad_signature: r(&self.bad_signature),
+            other: r(&self.other),
+        }
+    }
 }
 
 #[derive(Default)]
 struct ServerCounters {
+    auth_failure_reasons: AuthFailureCounters,
     cursor_save_failures: AtomicU64,
     connections: AtomicU64,
     open: AtomicU64,
@@ -478,6 +558,7 @@ impl Hub {
             not_authorized: r(&c.not_authorized),
             cursor_save_failures: r(&s.cursor_save_failures),
             rate_limited: self.shared.core.rate_limit_refusals(),
+            auth_failures_by_reason: s.auth_failure_reasons.snapshot(),
         }
     }
 

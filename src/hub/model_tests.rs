@@ -303,11 +303,7 @@ fn new_core_on(
     origin: u64,
     conflicts: Option<bool>,
 ) -> (Arc<HubCore>, tokio::task::JoinHandle<()>) {
-    let limits = Limits {
-        max_log_depth: DEPTH,
-        max_stored_bytes: QUOTA,
-        ..Limits::unthrottled()
-    };
+    let limits = model_limits();
     let rng = crate::rng::SharedRng::seeded(origin);
     let store = KvHubStore::open(Arc::new(kv.clone()), &rng).expect("a MemKv store opens");
     let flusher = tokio::spawn(store.background());
@@ -323,21 +319,64 @@ fn new_core_on(
     (core, flusher)
 }
 
-fn run(ops: Vec<Op>) {
-    run_on(ops, None)
+/// The limits of every model run: a shallow log and a small quota, so
+/// trims and refusals happen.
+fn model_limits() -> Limits {
+    Limits {
+        max_log_depth: DEPTH,
+        max_stored_bytes: QUOTA,
+        ..Limits::unthrottled()
+    }
 }
 
-/// [`run`] over a store that conflicts (see [`new_core_on`]).
-fn run_on(ops: Vec<Op>, conflicts: Option<bool>) {
+/// Where a model run keeps the hub's data.
+enum Backing {
+    /// In memory with crash semantics (a crash loses what was not
+    /// flushed); `Some(always)` puts a [`Conflicting`] store in between.
+    Mem(MemKv, Option<bool>),
+    /// A PostgreSQL database: every commit is durable when it answers, so
+    /// a crash (dropping the core and opening the store again) loses
+    /// nothing.
+    Postgres(String),
+}
+
+/// A core over `backing` whose clock starts at `origin`, and its store's
+/// flusher task, if it has one.
+async fn core_over(
+    backing: &Backing,
+    origin: u64,
+) -> (Arc<HubCore>, Option<tokio::task::JoinHandle<()>>) {
+    match backing {
+        Backing::Mem(kv, conflicts) => {
+            let (core, flusher) = new_core_on(kv, origin, *conflicts);
+            (core, Some(flusher))
+        }
+        Backing::Postgres(url) => {
+            let rng = crate::rng::SharedRng::seeded(origin);
+            let store = super::PgHubStore::open(url, 2, &rng)
+                .await
+                .expect("the test database opens");
+            let core = HubCore::open(store, model_limits(), Clock::tokio(origin));
+            (core, None)
+        }
+    }
+}
+
+fn run(ops: Vec<Op>) {
+    run_on(ops, Backing::Mem(MemKv::new(), None))
+}
+
+/// [`run`] over another store: one that conflicts, or PostgreSQL.
+fn run_on(ops: Vec<Op>, backing: Backing) {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .start_paused(true)
         .build()
         .unwrap();
     rt.block_on(async move {
-        let kv = MemKv::new();
         let origin = 1_000_000;
-        let (mut core, mut flusher) = new_core_on(&kv, origin, conflicts);
+        let (mut core, mut flusher) = core_over(&backing, origin).await;
+        let always_durable = matches!(backing, Backing::Postgres(_));
         let store_id = core.store_id();
         let mut clock_offset = 0u64; // ms advanced since the core's origin
         let mut model = Model::default();
@@ -433,15 +472,22 @@ fn run_on(ops: Vec<Op>, conflicts: Option<bool>) {
                     durable = model.clone();
                 }
                 Op::Crash => {
-                    flusher.abort();
-                    kv.crash();
+                    if let Some(f) = flusher.take() {
+                        f.abort();
+                    }
+                    if let Backing::Mem(kv, _) = &backing {
+                        kv.crash();
+                    }
                     // The restarted hub's clock carries on where it was.
-                    (core, flusher) = new_core_on(&kv, origin + clock_offset, conflicts);
+                    (core, flusher) = core_over(&backing, origin + clock_offset).await;
                     // Read back, not drawn again from the (other) seed.
                     assert_eq!(core.store_id(), store_id, "a crash keeps the identity");
                     tokio::time::advance(Duration::ZERO).await;
                     model = durable.clone();
                 }
+            }
+            if always_durable {
+                durable = model.clone();
             }
             // The usage record moves in the same batches as the frames.
             assert_eq!(
@@ -452,7 +498,9 @@ fn run_on(ops: Vec<Op>, conflicts: Option<bool>) {
         }
         // Fetch resolved every read durably, so the store holds no batch the
         // model does not know about.
-        let _ = kv.unflushed_batches();
+        if let Backing::Mem(kv, _) = &backing {
+            let _ = kv.unflushed_batches();
+        }
     });
 }
 
@@ -470,7 +518,29 @@ proptest! {
     fn hub_log_matches_model_when_transactions_conflict(
         ops in proptest::collection::vec(op(), 1..80)
     ) {
-        run_on(ops, Some(false));
+        run_on(ops, Backing::Mem(MemKv::new(), Some(false)));
+    }
+}
+
+proptest! {
+    // Each case is a fresh database on the test process's own PostgreSQL
+    // server: fewer cases than in memory, each one real.
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+    /// The same model, over the PostgreSQL store: what it answers, keeps,
+    /// trims and refuses is what the model says, across crashes (a crash
+    /// is a new core on the same database).
+    #[test]
+    fn hub_log_on_postgres_matches_model(ops in proptest::collection::vec(op(), 1..60)) {
+        let url = tokio::runtime::Runtime::new()
+            .unwrap()
+            .block_on(async {
+                crate::testkit::TestPostgres::shared()
+                    .expect("the test PostgreSQL starts")
+                    .database()
+                    .await
+            })
+            .expect("a test database");
+        run_on(ops, Backing::Postgres(url));
     }
 }
 
