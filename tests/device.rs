@@ -184,7 +184,10 @@ async fn three_devices_on_two_hubs_get_every_message_once() {
     }
     // What an app exports for its metrics system says the same.
     let text = b.stats().prometheus_text();
-    assert!(text.contains("hubsync_device_delivered_total 10\n"), "{text}");
+    assert!(
+        text.contains("hubsync_device_delivered_total 10\n"),
+        "{text}"
+    );
     // Each message travelled through both hubs; the second copy was dropped.
     let dups: u64 = [&a, &b, &c].iter().map(|d| d.stats().duplicates).sum();
     assert!(

@@ -1156,6 +1156,16 @@ async fn the_metrics_endpoint_counts_publishes_and_refusals_and_shrugs_off_garba
         "{text}"
     );
     assert!(text.contains("hubsync_hub_open_connections "), "{text}");
+    // Every accepted publish committed once and waited for durability once.
+    let count = |name: &str| -> u64 {
+        let line = text
+            .lines()
+            .find(|l| l.starts_with(name))
+            .unwrap_or_else(|| panic!("no {name}: {text}"));
+        line.rsplit(' ').next().unwrap().parse().unwrap()
+    };
+    assert!(count("hubsync_hub_store_commit_seconds_count ") >= 1);
+    assert!(count("hubsync_hub_store_durable_wait_seconds_count ") >= 1);
     hub.stop().await;
 }
 

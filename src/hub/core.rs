@@ -40,7 +40,10 @@ macro_rules! transact {
         loop {
             let mut $tx = $core.store.begin().await.map_err(internal)?;
             let value = $body;
-            match $tx.commit().await {
+            let started = std::time::Instant::now();
+            let committed = $tx.commit().await;
+            $core.counters.commit_latency.observe(started.elapsed());
+            match committed {
                 Ok(gen) => break Durable { value, gen },
                 Err(StoreError::Conflict) if conflicts < MAX_CONFLICT_RETRIES => {
                     conflicts += 1;
@@ -147,6 +150,12 @@ pub(crate) struct Counters {
     pub quota_refusals: AtomicU64,
     pub not_authorized: AtomicU64,
     pub conflict_retries: AtomicU64,
+    /// How long each transaction's commit took (on PostgreSQL, the round
+    /// trip and the WAL flush; on sled, applying the batch).
+    pub commit_latency: crate::prom::Histogram,
+    /// How long each wait for durability took (on sled, the group-commit
+    /// flush; on PostgreSQL, nothing: a commit is durable when it answers).
+    pub durable_latency: crate::prom::Histogram,
 }
 
 /// The usage records one operation reads and changes, staged into its
@@ -279,7 +288,10 @@ impl HubCore {
     /// # Cancel safety
     /// Cancel safe.
     pub async fn durable(&self, gen: u64) -> Result<(), HubError> {
-        self.store.durable(gen).await.map_err(internal)
+        let started = std::time::Instant::now();
+        let done = self.store.durable(gen).await.map_err(internal);
+        self.counters.durable_latency.observe(started.elapsed());
+        done
     }
 
     fn check_topic(&self, topic: &TopicId) -> Result<(), HubError> {

@@ -126,6 +126,16 @@ pub fn prometheus_text(m: &HubMetrics) -> String {
         "Calls run again because their store transaction conflicted with another's.",
         m.conflict_retries,
     );
+    t.histogram(
+        "store_commit_seconds",
+        "How long store commits took (PostgreSQL: round trip and WAL flush; sled: applying the batch).",
+        &m.commit_latency,
+    );
+    t.histogram(
+        "store_durable_wait_seconds",
+        "How long waits for durability took (sled: the group-commit flush; PostgreSQL: none).",
+        &m.durable_latency,
+    );
     t.one(
         "trimmed_frames_total",
         Counter,

@@ -30,6 +30,7 @@ pub use self::metrics::prometheus_text;
 pub use self::postgres::{PgHubStore, PgOpenError, DEFAULT_POOL_SIZE};
 pub use self::store::{Generation, HubStore, HubTxn, KvHubStore, StoreError};
 pub use self::stream::TopicStart;
+pub use crate::prom::HistogramSnapshot;
 
 use crate::clock::Clock;
 use crate::kv::KvStore;
@@ -178,6 +179,12 @@ pub struct HubMetrics {
     pub rate_limited: RateLimitRefusals,
     /// [`HubMetrics::auth_failures`] by the error the device was told.
     pub auth_failures_by_reason: AuthFailures,
+    /// How long store commits took (on PostgreSQL the round trip and the
+    /// WAL flush; on sled applying the batch).
+    pub commit_latency: HistogramSnapshot,
+    /// How long waits for durability took (on sled the group-commit flush;
+    /// on PostgreSQL nothing).
+    pub durable_latency: HistogramSnapshot,
 }
 
 /// Authentications refused, by the error the device was told.
@@ -559,6 +566,8 @@ impl Hub {
             cursor_save_failures: r(&s.cursor_save_failures),
             rate_limited: self.shared.core.rate_limit_refusals(),
             auth_failures_by_reason: s.auth_failure_reasons.snapshot(),
+            commit_latency: c.commit_latency.snapshot(),
+            durable_latency: c.durable_latency.snapshot(),
         }
     }
 
