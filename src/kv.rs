@@ -128,6 +128,11 @@ pub trait KvStore: Send + Sync + 'static {
         let end = prefix_end(prefix);
         self.range(prefix, end.as_deref(), limit)
     }
+
+    /// Bytes the store takes on disk, when it can say (for operators).
+    fn size_on_disk(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// The smallest key greater than every key that starts with `prefix`, or
@@ -254,6 +259,10 @@ impl SledKv {
 impl KvStore for SledKv {
     fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, KvError> {
         Ok(self.db.get(key)?.map(|v| v.to_vec()))
+    }
+
+    fn size_on_disk(&self) -> Option<u64> {
+        self.db.size_on_disk().ok()
     }
 
     fn range(&self, start: &[u8], end: Option<&[u8]>, limit: usize) -> Result<Entries, KvError> {

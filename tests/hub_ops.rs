@@ -1165,6 +1165,8 @@ async fn the_metrics_endpoint_counts_publishes_and_refusals_and_shrugs_off_garba
         line.rsplit(' ').next().unwrap().parse().unwrap()
     };
     assert!(count("hubsync_hub_store_commit_seconds_count ") >= 1);
+    assert!(count("hubsync_hub_store_bytes ") > 0, "sled says its size");
+    assert_eq!(count("hubsync_hub_receive_streams "), 0, "nobody receives");
     assert!(count("hubsync_hub_store_durable_wait_seconds_count ") >= 1);
     hub.stop().await;
 }

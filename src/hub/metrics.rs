@@ -137,6 +137,26 @@ pub fn prometheus_text(m: &HubMetrics) -> String {
         &m.durable_latency,
     );
     t.one(
+        "receive_streams",
+        Gauge,
+        "Receive streams open now.",
+        m.receive_streams,
+    );
+    t.one(
+        "unacked_deliveries",
+        Gauge,
+        "Deliveries pushed on open streams and not acknowledged yet.",
+        m.unacked_deliveries,
+    );
+    if let Some(bytes) = m.store_bytes {
+        t.one(
+            "store_bytes",
+            Gauge,
+            "Bytes the store takes, as last sampled.",
+            bytes,
+        );
+    }
+    t.one(
         "trimmed_frames_total",
         Counter,
         "Log frames trimmed by depth or retention.",

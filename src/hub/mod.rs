@@ -185,6 +185,15 @@ pub struct HubMetrics {
     /// How long waits for durability took (on sled the group-commit flush;
     /// on PostgreSQL nothing).
     pub durable_latency: HistogramSnapshot,
+    /// Receive streams open now (at most one per connected device).
+    pub receive_streams: u64,
+    /// Deliveries pushed on open streams and not acknowledged yet: the
+    /// hub's delivery queue (each stream holds at most a window of them).
+    pub unacked_deliveries: u64,
+    /// Bytes the store takes, as sampled at start and at every retention
+    /// purge (`HubConfig::purge_interval`); `None` when the store cannot
+    /// say.
+    pub store_bytes: Option<u64>,
 }
 
 /// Authentications refused, by the error the device was told.
@@ -267,6 +276,8 @@ impl AuthFailureCounters {
 #[derive(Default)]
 struct ServerCounters {
     auth_failure_reasons: AuthFailureCounters,
+    /// The store's size as last sampled; `u64::MAX` for none.
+    store_bytes: AtomicU64,
     cursor_save_failures: AtomicU64,
     connections: AtomicU64,
     open: AtomicU64,
@@ -460,10 +471,22 @@ impl Hub {
                 }
             });
         }
+        shared
+            .counters
+            .store_bytes
+            .store(u64::MAX, Ordering::Relaxed);
         let purger = shared.clone();
         shared.tasks.spawn(async move {
             let interval = purger.config.purge_interval;
             loop {
+                // The store's size for the metrics, sampled at every purge
+                // (and at start).
+                match purger.core.store().size_bytes().await {
+                    Ok(Some(n)) => purger.counters.store_bytes.store(n, Ordering::Relaxed),
+                    Ok(None) => {}
+                    // The metric keeps its last value; this says why.
+                    Err(e) => tracing::warn!(error = %e, "hub store: size not read"),
+                }
                 tokio::select! {
                     _ = purger.shutdown.cancelled() => break,
                     _ = tokio::time::sleep(interval) => {}
@@ -542,6 +565,15 @@ impl Hub {
         let c = &self.shared.core.counters;
         let s = &self.shared.counters;
         let r = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let (receive_streams, unacked_deliveries) = {
+            let sessions = self
+                .shared
+                .sessions
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            let unacked: usize = sessions.values().map(|s| s.stream.unacked()).sum();
+            (sessions.len() as u64, unacked as u64)
+        };
         HubMetrics {
             connections: r(&s.connections),
             open_connections: r(&s.open),
@@ -568,6 +600,12 @@ impl Hub {
             auth_failures_by_reason: s.auth_failure_reasons.snapshot(),
             commit_latency: c.commit_latency.snapshot(),
             durable_latency: c.durable_latency.snapshot(),
+            receive_streams,
+            unacked_deliveries,
+            store_bytes: match s.store_bytes.load(Ordering::Relaxed) {
+                u64::MAX => None,
+                n => Some(n),
+            },
         }
     }
 

@@ -690,6 +690,23 @@ impl HubStore for PgHubStore {
         self.commits.load(Ordering::Acquire)
     }
 
+    fn size_bytes(&self) -> BoxFuture<'_, Result<Option<u64>, StoreError>> {
+        async move {
+            let conn = self.pool.checkout().await?;
+            let row = conn
+                .conn
+                .as_ref()
+                .expect("present until dropped")
+                .client
+                .query_one("SELECT pg_total_relation_size('hub_kv')::BIGINT", &[])
+                .await
+                .map_err(engine)?;
+            let bytes: i64 = row.try_get(0).map_err(engine)?;
+            Ok(u64::try_from(bytes).ok())
+        }
+        .boxed()
+    }
+
     fn announcements(&self) -> Option<mpsc::Receiver<Remote>> {
         let (tx, rx) = mpsc::channel(ANNOUNCEMENT_QUEUE);
         let config = self.pool.config.clone();
@@ -895,6 +912,7 @@ mod tests {
             keys(store.range(b"a3\0", None, 10).await.unwrap()),
             vec![b"b1".to_vec()]
         );
+        assert!(store.size_bytes().await.unwrap().unwrap() > 0, "the table's size");
     }
 
     /// Two hub processes over one database, in one test: cores over two

@@ -661,6 +661,11 @@ impl Stream {
         self.wake.notify_one();
     }
 
+    /// Deliveries pushed and not acknowledged yet.
+    pub(crate) fn unacked(&self) -> usize {
+        self.state().unacked()
+    }
+
     /// Whether the stream follows `topic`.
     pub(crate) fn follows(&self, topic: &TopicId) -> bool {
         self.state().follows(topic)

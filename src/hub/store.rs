@@ -166,6 +166,15 @@ pub trait HubStore: Send + Sync + 'static {
     fn announcements(&self) -> Option<tokio::sync::mpsc::Receiver<Remote>> {
         None
     }
+
+    /// Bytes the store's data takes, when the store can say (for
+    /// operators; sampled now and then, so it may be a little old).
+    ///
+    /// # Errors
+    /// [`StoreError::Engine`] when asking failed.
+    fn size_bytes(&self) -> BoxFuture<'_, Result<Option<u64>, StoreError>> {
+        futures::future::ready(Ok(None)).boxed()
+    }
 }
 
 /// A [`HubStore`] over a [`KvStore`], for one hub process: transactions run
@@ -315,6 +324,10 @@ impl HubStore for KvHubStore {
 
     fn flushes(&self) -> u64 {
         self.commit.flush_count()
+    }
+
+    fn size_bytes(&self) -> BoxFuture<'_, Result<Option<u64>, StoreError>> {
+        futures::future::ready(Ok(self.kv.size_on_disk())).boxed()
     }
 }
 
