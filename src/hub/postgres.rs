@@ -912,7 +912,10 @@ mod tests {
             keys(store.range(b"a3\0", None, 10).await.unwrap()),
             vec![b"b1".to_vec()]
         );
-        assert!(store.size_bytes().await.unwrap().unwrap() > 0, "the table's size");
+        assert!(
+            store.size_bytes().await.unwrap().unwrap() > 0,
+            "the table's size"
+        );
     }
 
     /// Two hub processes over one database, in one test: cores over two
