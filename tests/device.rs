@@ -978,3 +978,48 @@ async fn a_pushed_message_the_store_refused_is_read_again_in_order() {
     assert!(ib.got.values().all(|(_, _, n)| *n == 1), "nothing twice");
     assert!(b.stats().receive_failures > before);
 }
+
+/// A subscription the hub refuses (here: past its limit of subscriptions
+/// per device) reaches the app as an event naming the hub, the group and
+/// the hub's answer, and is counted; it is never only a log line.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscription_the_hub_refuses_reaches_the_app() {
+    let hub = TestHub::start_with(|c| c.limits.max_subscriptions = 3)
+        .await
+        .unwrap();
+    let u = urls(std::slice::from_ref(&hub));
+    let d = TestDevice::open(&u).await.unwrap();
+    let mut events = d.events();
+    // Each group takes several subscriptions: three pass the limit.
+    let mut groups = Vec::new();
+    for _ in 0..3 {
+        groups.push(d.create_group(&u).await.unwrap());
+    }
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        match tokio::time::timeout_at(deadline, events.recv()).await {
+            Ok(Some(Ok(Event::SubscriptionRefused {
+                hub: url,
+                group,
+                error,
+                ..
+            }))) => {
+                assert_eq!(url, hub.url());
+                assert_eq!(
+                    error,
+                    hubsync::wire::HubError::TooManySubscriptions { max: 3 }
+                );
+                let g = group.expect("the refused topic is a group's");
+                assert!(groups.contains(&g));
+                break;
+            }
+            Ok(Some(_)) => {}
+            other => panic!("no refusal reported: {other:?}"),
+        }
+    }
+    assert!(d.stats().subscriptions_refused >= 1);
+    assert!(d
+        .stats()
+        .prometheus_text()
+        .contains("hubsync_device_subscriptions_refused_total "));
+}

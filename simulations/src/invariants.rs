@@ -251,6 +251,9 @@ pub fn event_line(e: &Event) -> String {
             format!("failed {} {kind:?}", &group.to_string()[..8])
         }
         Event::HubStatus { url, .. } => format!("hub {url}"),
+        Event::SubscriptionRefused { hub, error, .. } => {
+            format!("subscription refused {hub} {error}")
+        }
         Event::WelcomeRefused { group, reason } => format!(
             "welcome refused {} {reason}",
             group

@@ -222,6 +222,20 @@ pub enum Event {
         /// Why.
         reason: String,
     },
+    /// A hub refused to subscribe this device to a topic (too many
+    /// subscriptions on that hub, say): frames on it are not pushed from
+    /// that hub until a later subscribe succeeds. Counted in
+    /// `DeviceStats::subscriptions_refused`.
+    SubscriptionRefused {
+        /// The hub.
+        hub: String,
+        /// The group the topic belongs to, when it is one of a group's.
+        group: Option<GroupId>,
+        /// The topic.
+        topic: crate::wire::TopicId,
+        /// The hub's answer.
+        error: crate::wire::HubError,
+    },
     /// A hub connection changed status.
     HubStatus {
         /// The hub.

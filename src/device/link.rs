@@ -308,6 +308,9 @@ struct Shared {
     store_id: watch::Sender<Option<StoreId>>,
     /// How many connections have come up (see [`HubLink::connections`]).
     connections: watch::Sender<u64>,
+    /// Subscriptions the hub refused, in order, newest last (see
+    /// [`HubLink::refused_subscriptions`]); at most [`MAX_REFUSALS_KEPT`].
+    refusals: watch::Sender<RefusalLog>,
     conn: watch::Sender<Conn>,
     state: Mutex<State>,
     /// Serialises hub subscribe/unsubscribe requests, so the last desired
@@ -597,6 +600,10 @@ impl Shared {
                     }
                     Err(ClientError::Hub(e)) => {
                         tracing::warn!(?topic, error = %e, "hub refused a subscription change");
+                        if matches!(desired, Desired::Subscribed(_)) {
+                            self.refusals
+                                .send_modify(|log| log.push(topic.clone(), e.clone()));
+                        }
                         if matches!(desired, Desired::Unsubscribed) {
                             lock(&self.state).unsub_unconfirmed.remove(&topic);
                         }
@@ -954,6 +961,30 @@ async fn subscription_worker(shared: Arc<Shared>) {
     }
 }
 
+/// How many refused subscriptions a link keeps for its device to read.
+pub const MAX_REFUSALS_KEPT: usize = 64;
+
+/// Subscriptions a hub refused, newest last: the device turns each into an
+/// event, so a refusal reaches the app, not only the log.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RefusalLog {
+    /// Refusals since the link started (also those no longer kept).
+    pub total: u64,
+    /// The newest [`MAX_REFUSALS_KEPT`] refusals: the topic and the hub's
+    /// answer.
+    pub recent: std::collections::VecDeque<(TopicId, HubError)>,
+}
+
+impl RefusalLog {
+    fn push(&mut self, topic: TopicId, e: HubError) {
+        self.total += 1;
+        if self.recent.len() == MAX_REFUSALS_KEPT {
+            self.recent.pop_front();
+        }
+        self.recent.push_back((topic, e));
+    }
+}
+
 /// The reconnecting connection of a device to one hub. Cheap to clone; all
 /// clones share one connection, and it ends when [`HubLink::stop`] is called
 /// or the last clone is dropped.
@@ -1007,6 +1038,7 @@ impl HubLink {
             status,
             store_id,
             connections: watch::Sender::new(0),
+            refusals: watch::Sender::new(RefusalLog::default()),
             conn,
             state: Mutex::new(State::default()),
             sub_lock: tokio::sync::Mutex::new(()),
@@ -1153,6 +1185,13 @@ impl HubLink {
         if !queued.is_empty() {
             shared.ack_on(&client, queued).await;
         }
+    }
+
+    /// Subscriptions the hub refused (too many subscriptions, a retention
+    /// too long, a topic not this device's to read, ...), newest last;
+    /// changes each time the hub refuses one.
+    pub fn refused_subscriptions(&self) -> watch::Receiver<RefusalLog> {
+        self.shared().refusals.subscribe()
     }
 
     /// Make every subscribe and unsubscribe requested so far take effect at

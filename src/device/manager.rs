@@ -156,6 +156,9 @@ pub struct DeviceStats {
     /// read again, every second until a read succeeds, with its pushes held
     /// meanwhile. A steady rise means a store or hub that keeps failing.
     pub receive_failures: u64,
+    /// Subscriptions a hub refused (each also an
+    /// [`Event::SubscriptionRefused`], for the newest of a burst).
+    pub subscriptions_refused: u64,
 }
 
 impl DeviceStats {
@@ -165,7 +168,7 @@ impl DeviceStats {
     pub fn prometheus_text(&self) -> String {
         use crate::prom::{Kind::Counter, Kind::Gauge, PromText};
         let mut t = PromText::new("hubsync_device_");
-        let counters: [(&str, &str, u64); 11] = [
+        let counters: [(&str, &str, u64); 12] = [
             (
                 "delivered_total",
                 "App messages delivered to the app.",
@@ -217,6 +220,11 @@ impl DeviceStats {
                 "App frames not handled and app log reads that failed (retried).",
                 self.receive_failures,
             ),
+            (
+                "subscriptions_refused_total",
+                "Subscriptions a hub refused.",
+                self.subscriptions_refused,
+            ),
         ];
         for (name, help, value) in counters {
             t.one(name, Counter, help, value);
@@ -244,6 +252,7 @@ pub(super) struct Counters {
     pub key_packages_replaced: AtomicU64,
     pub pull_failures: AtomicU64,
     pub receive_failures: AtomicU64,
+    pub subscriptions_refused: AtomicU64,
 }
 
 /// The topics a group's peers read.
@@ -579,6 +588,7 @@ impl GroupPeerManager {
             key_packages_replaced: r(&c.key_packages_replaced),
             pull_failures: r(&c.pull_failures),
             receive_failures: r(&c.receive_failures),
+            subscriptions_refused: r(&c.subscriptions_refused),
             outbox_owed: self.shared.outbox.owed(),
         }
     }
@@ -624,6 +634,16 @@ impl GroupPeerManager {
         link
     }
 
+    /// The group whose peers read `topic` (its commit, app or rendezvous
+    /// topic), if any.
+    fn group_of_topic(&self, topic: &TopicId) -> Option<GroupId> {
+        lock(&self.shared.topics).iter().find_map(|(g, t)| {
+            let t = t.borrow();
+            (t.commit == *topic || t.app.contains(topic) || t.rendezvous.as_ref() == Some(topic))
+                .then_some(*g)
+        })
+    }
+
     /// Device-wide duties on a new link: report its status, hear Welcomes
     /// addressed to this device, keep key packages stocked.
     fn spawn_link_duties(&self, link: HubLink) {
@@ -667,6 +687,40 @@ impl GroupPeerManager {
                     r = status.changed() => { if r.is_err() { break } announce = true; }
                     _ = tick.tick() => announce = false,
                     _ = restock_rx.notified() => announce = false,
+                }
+            }
+        });
+        // A subscription the hub refused reaches the app as an event (and a
+        // counter), not only the log.
+        let me = self.clone();
+        let stop = self.shared.shutdown.clone();
+        let mut refusals = link.refused_subscriptions();
+        let url = link.url().to_string();
+        self.shared.tasks.spawn(async move {
+            let mut seen = 0u64;
+            loop {
+                let log = refusals.borrow_and_update().clone();
+                let new = log.total.saturating_sub(seen);
+                seen = log.total;
+                me.shared
+                    .counters
+                    .subscriptions_refused
+                    .fetch_add(new, Ordering::Relaxed);
+                // Those older than the kept ones are counted only.
+                let kept = usize::try_from(new)
+                    .unwrap_or(usize::MAX)
+                    .min(log.recent.len());
+                for (topic, error) in log.recent.iter().skip(log.recent.len() - kept) {
+                    me.emit(Event::SubscriptionRefused {
+                        hub: url.clone(),
+                        group: me.group_of_topic(topic),
+                        topic: topic.clone(),
+                        error: error.clone(),
+                    });
+                }
+                tokio::select! {
+                    _ = stop.cancelled() => break,
+                    r = refusals.changed() => if r.is_err() { break },
                 }
             }
         });
