@@ -235,11 +235,16 @@ mod tests {
         for line in text.lines() {
             if let Some(rest) = line.strip_prefix("# TYPE ") {
                 let kind = rest.rsplit(' ').next().unwrap();
-                assert!(kind == "counter" || kind == "gauge", "{line}");
+                assert!(["counter", "gauge", "histogram"].contains(&kind), "{line}");
             } else if !line.starts_with("# HELP ") {
                 let (name, value) = line.rsplit_once(' ').unwrap();
                 assert!(name.starts_with("hubsync_hub_"), "{line}");
-                value.parse::<u64>().unwrap();
+                // Counts are integers; a histogram's sum is in seconds.
+                if name.ends_with("_sum") {
+                    value.parse::<f64>().unwrap();
+                } else {
+                    value.parse::<u64>().unwrap();
+                }
             }
         }
     }
