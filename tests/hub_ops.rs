@@ -555,23 +555,7 @@ async fn cas_race_has_exactly_one_winner(store: TestStore) {
         .await
         .unwrap();
     let clients: Vec<_> = futures::future::join_all((1..=24).map(|i| hub.client_owned(i))).await;
-    let results = futures::future::join_all(clients.iter().enumerate().map(|(i, c)| {
-        c.publish(log(
-            "race",
-            1 + i as u64,
-            ExpectedHead::Seq(1),
-            format!("c{i}").as_bytes(),
-        ))
-    }))
-    .await;
-    let mut winners = Vec::new();
-    for r in &results {
-        match r.as_ref().unwrap() {
-            PublishOutcome::Accepted { seq, .. } => winners.push(*seq),
-            PublishOutcome::HeadMismatch { current } => assert_eq!(*current, Some(2)),
-            other => panic!("{other:?}"),
-        }
-    }
+    let winners = race_on_head_one(&clients).await;
     assert_eq!(winners, vec![2]);
     let f = seed.fetch(&TopicId::from("race"), 0, 10).await.unwrap();
     assert_eq!(f.head, Some(2));

@@ -12,7 +12,7 @@ use hubsync::client::{HubClient, Push};
 use hubsync::device::{GroupId, InboxMessage};
 use hubsync::hub::Limits;
 use hubsync::testkit::{signing_key, TestDevice, TestHub, TestPostgres, TestStore};
-use hubsync::wire::{DeviceId, ExpectedHead, PublishOutcome, TopicId};
+use hubsync::wire::{DeviceId, ExpectedHead, TopicId};
 use std::collections::HashSet;
 use std::time::Duration;
 
@@ -92,27 +92,12 @@ async fn racers_on_two_hubs_have_exactly_one_winner() {
         let hub = if i % 2 == 0 { &a } else { &b };
         clients.push(hub.client(&signing_key(i)).await.unwrap());
     }
-    let answers = futures::future::join_all(clients.iter().enumerate().map(|(i, c)| {
-        c.publish(log(
-            "race",
-            1 + i as u64,
-            ExpectedHead::Seq(1),
-            format!("c{i}").as_bytes(),
-        ))
-    }))
-    .await;
-    let mut accepted = 0;
-    for answer in answers {
-        match answer.unwrap() {
-            PublishOutcome::Accepted { seq, .. } => {
-                assert_eq!(seq, 2);
-                accepted += 1;
-            }
-            PublishOutcome::HeadMismatch { current } => assert_eq!(current, Some(2)),
-            other => panic!("unexpected {other:?}"),
-        }
-    }
-    assert_eq!(accepted, 1, "exactly one compare-and-set wins across hubs");
+    let winners = race_on_head_one(&clients).await;
+    assert_eq!(
+        winners,
+        vec![2],
+        "exactly one compare-and-set wins across hubs"
+    );
 }
 
 /// The listener's connection is cut while frames are accepted by the other

@@ -150,3 +150,30 @@ pub fn request(id: u64, op: Request) -> ClientFrame {
 pub fn device_of(key: &SigningKey) -> DeviceId {
     DeviceId(key.verifying_key().to_bytes())
 }
+
+/// Every client of `clients` publishes at once on topic `race`, whose head
+/// is 1 (the caller published its first frame), each expecting head 1.
+/// Answers the sequence numbers accepted, after checking that every other
+/// answer is the head they lost to (2). Exactly one must win.
+pub async fn race_on_head_one(clients: &[hubsync::client::HubClient]) -> Vec<u64> {
+    let answers = futures::future::join_all(clients.iter().enumerate().map(|(i, c)| {
+        c.publish(log(
+            "race",
+            1 + i as u64,
+            ExpectedHead::Seq(1),
+            format!("c{i}").as_bytes(),
+        ))
+    }))
+    .await;
+    let mut winners = Vec::new();
+    for answer in answers {
+        match answer.unwrap() {
+            hubsync::wire::PublishOutcome::Accepted { seq, .. } => winners.push(seq),
+            hubsync::wire::PublishOutcome::HeadMismatch { current } => {
+                assert_eq!(current, Some(2))
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    winners
+}
