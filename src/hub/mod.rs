@@ -217,6 +217,26 @@ pub struct AuthFailures {
 }
 
 impl AuthFailures {
+    /// Count a refusal with `e`.
+    fn count(&mut self, e: &crate::wire::HubError) {
+        use crate::wire::HubError as E;
+        let n = match e {
+            E::UnsupportedVersion { .. } => &mut self.unsupported_version,
+            E::ChallengeReplayed => &mut self.challenge_replayed,
+            E::UnknownChallenge => &mut self.unknown_challenge,
+            E::ChallengeExpired => &mut self.challenge_expired,
+            E::WrongHub { .. } => &mut self.wrong_hub,
+            E::BadSignature => &mut self.bad_signature,
+            _ => &mut self.other,
+        };
+        *n += 1;
+    }
+
+    /// Refusals of every reason together.
+    pub fn total(&self) -> u64 {
+        self.by_reason().iter().map(|(_, n)| n).sum()
+    }
+
     /// Every reason with its count, in a fixed order.
     pub fn by_reason(&self) -> [(&'static str, u64); 7] {
         [
@@ -231,57 +251,14 @@ impl AuthFailures {
     }
 }
 
-/// [`AuthFailures`] as the server counts them.
-#[derive(Default)]
-struct AuthFailureCounters {
-    unsupported_version: AtomicU64,
-    challenge_replayed: AtomicU64,
-    unknown_challenge: AtomicU64,
-    challenge_expired: AtomicU64,
-    wrong_hub: AtomicU64,
-    bad_signature: AtomicU64,
-    other: AtomicU64,
-}
-
-impl AuthFailureCounters {
-    /// Count a refusal with `e`.
-    fn count(&self, e: &crate::wire::HubError) {
-        use crate::wire::HubError as E;
-        let n = match e {
-            E::UnsupportedVersion { .. } => &self.unsupported_version,
-            E::ChallengeReplayed => &self.challenge_replayed,
-            E::UnknownChallenge => &self.unknown_challenge,
-            E::ChallengeExpired => &self.challenge_expired,
-            E::WrongHub { .. } => &self.wrong_hub,
-            E::BadSignature => &self.bad_signature,
-            _ => &self.other,
-        };
-        n.fetch_add(1, Ordering::Relaxed);
-    }
-
-    fn snapshot(&self) -> AuthFailures {
-        let r = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        AuthFailures {
-            unsupported_version: r(&self.unsupported_version),
-            challenge_replayed: r(&self.challenge_replayed),
-            unknown_challenge: r(&self.unknown_challenge),
-            challenge_expired: r(&self.challenge_expired),
-            wrong_hub: r(&self.wrong_hub),
-            bad_signature: r(&self.bad_signature),
-            other: r(&self.other),
-        }
-    }
-}
-
 #[derive(Default)]
 struct ServerCounters {
-    auth_failure_reasons: AuthFailureCounters,
+    auth_failures: Mutex<AuthFailures>,
     /// The store's size as last sampled; `u64::MAX` for none.
     store_bytes: AtomicU64,
     cursor_save_failures: AtomicU64,
     connections: AtomicU64,
     open: AtomicU64,
-    auth_failures: AtomicU64,
     bad_frames: AtomicU64,
     pushed: AtomicU64,
     unauthenticated: AtomicU64,
@@ -565,6 +542,7 @@ impl Hub {
         let c = &self.shared.core.counters;
         let s = &self.shared.counters;
         let r = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let auth_failures = *s.auth_failures.lock().unwrap_or_else(|p| p.into_inner());
         let (receive_streams, unacked_deliveries) = {
             let sessions = self
                 .shared
@@ -577,7 +555,7 @@ impl Hub {
         HubMetrics {
             connections: r(&s.connections),
             open_connections: r(&s.open),
-            auth_failures: r(&s.auth_failures),
+            auth_failures: auth_failures.total(),
             bad_frames: r(&s.bad_frames),
             accepted: r(&c.accepted),
             duplicates: r(&c.duplicates),
@@ -597,7 +575,7 @@ impl Hub {
             not_authorized: r(&c.not_authorized),
             cursor_save_failures: r(&s.cursor_save_failures),
             rate_limited: self.shared.core.rate_limit_refusals(),
-            auth_failures_by_reason: s.auth_failure_reasons.snapshot(),
+            auth_failures_by_reason: auth_failures,
             commit_latency: c.commit_latency.snapshot(),
             durable_latency: c.durable_latency.snapshot(),
             receive_streams,

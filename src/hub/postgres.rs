@@ -306,6 +306,35 @@ struct Conn {
     in_txn: bool,
 }
 
+impl Conn {
+    /// The value under `key`; `BEGIN` goes first in the same pipeline when
+    /// `begin`.
+    async fn get(&self, key: &[u8], begin: bool) -> Result<Option<Vec<u8>>, StoreError> {
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&key];
+        let query = self.client.query_opt(&self.stmts.get, &params);
+        let row = with_begin(&self.client, begin, query).await?;
+        row.map(|r| r.try_get(0).map_err(engine)).transpose()
+    }
+
+    /// Up to `limit` entries with `start <= key < end`; `BEGIN` goes first
+    /// in the same pipeline when `begin`.
+    async fn range(
+        &self,
+        start: &[u8],
+        end: Option<&[u8]>,
+        limit: usize,
+        begin: bool,
+    ) -> Result<Entries, StoreError> {
+        let limit = sql_limit(limit);
+        let (statement, params): (_, Vec<&(dyn tokio_postgres::types::ToSql + Sync)>) = match &end {
+            Some(end) => (&self.stmts.range, vec![&start, end, &limit]),
+            None => (&self.stmts.range_open, vec![&start, &limit]),
+        };
+        let query = self.client.query(statement, &params);
+        rows_to_entries(with_begin(&self.client, begin, query).await?)
+    }
+}
+
 /// Connections, opened on demand up to the pool's size and kept open.
 struct Pool {
     config: tokio_postgres::Config,
@@ -334,9 +363,22 @@ impl Pool {
             .acquire_owned()
             .await
             .expect("the pool's semaphore is never closed");
+        let conn = match self.take_idle().await {
+            Some(conn) => conn,
+            None => self.connect().await?,
+        };
+        Ok(Pooled {
+            conn: Some(conn),
+            pool: self.clone(),
+            _permit: permit,
+        })
+    }
+
+    /// An idle connection that still works, rolled back if a dropped
+    /// transaction left it inside one.
+    async fn take_idle(&self) -> Option<Conn> {
         loop {
-            let idle = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
-            let Some(mut conn) = idle else { break };
+            let mut conn = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop()?;
             if conn.client.is_closed() {
                 continue;
             }
@@ -346,18 +388,8 @@ impl Pool {
                 }
                 conn.in_txn = false;
             }
-            return Ok(Pooled {
-                conn: Some(conn),
-                pool: self.clone(),
-                _permit: permit,
-            });
+            return Some(conn);
         }
-        let conn = self.connect().await?;
-        Ok(Pooled {
-            conn: Some(conn),
-            pool: self.clone(),
-            _permit: permit,
-        })
     }
 
     async fn connect(&self) -> Result<Conn, PoolError> {
@@ -417,35 +449,6 @@ struct Pooled {
 impl Pooled {
     fn conn(&mut self) -> &mut Conn {
         self.conn.as_mut().expect("present until dropped")
-    }
-
-    async fn get(&mut self, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
-        let c = self.conn();
-        let row = c
-            .client
-            .query_opt(&c.stmts.get, &[&key])
-            .await
-            .map_err(engine)?;
-        row.map(|r| r.try_get(0).map_err(engine)).transpose()
-    }
-
-    async fn range(
-        &mut self,
-        start: &[u8],
-        end: Option<&[u8]>,
-        limit: usize,
-    ) -> Result<Entries, StoreError> {
-        let c = self.conn();
-        let limit = sql_limit(limit);
-        let rows = match end {
-            Some(end) => {
-                c.client
-                    .query(&c.stmts.range, &[&start, &end, &limit])
-                    .await
-            }
-            None => c.client.query(&c.stmts.range_open, &[&start, &limit]).await,
-        };
-        rows_to_entries(rows.map_err(engine)?)
     }
 }
 
@@ -509,10 +512,7 @@ impl HubTxn for PgTxn {
     fn get<'a>(&'a mut self, key: &'a [u8]) -> BoxFuture<'a, Result<Option<Vec<u8>>, StoreError>> {
         async move {
             let begin = self.begin_now();
-            let c = self.conn.conn();
-            let row =
-                with_begin(&c.client, begin, c.client.query_opt(&c.stmts.get, &[&key])).await?;
-            row.map(|r| r.try_get(0).map_err(engine)).transpose()
+            self.conn.conn().get(key, begin).await
         }
         .boxed()
     }
@@ -525,27 +525,7 @@ impl HubTxn for PgTxn {
     ) -> BoxFuture<'a, Result<Entries, StoreError>> {
         async move {
             let begin = self.begin_now();
-            let c = self.conn.conn();
-            let limit = sql_limit(limit);
-            let rows = match end {
-                Some(end) => {
-                    with_begin(
-                        &c.client,
-                        begin,
-                        c.client.query(&c.stmts.range, &[&start, &end, &limit]),
-                    )
-                    .await?
-                }
-                None => {
-                    with_begin(
-                        &c.client,
-                        begin,
-                        c.client.query(&c.stmts.range_open, &[&start, &limit]),
-                    )
-                    .await?
-                }
-            };
-            rows_to_entries(rows)
+            self.conn.conn().range(start, end, limit, begin).await
         }
         .boxed()
     }
@@ -659,7 +639,7 @@ impl HubStore for PgHubStore {
     }
 
     fn get<'a>(&'a self, key: &'a [u8]) -> BoxFuture<'a, Result<Option<Vec<u8>>, StoreError>> {
-        async move { self.pool.checkout().await?.get(key).await }.boxed()
+        async move { self.pool.checkout().await?.conn().get(key, false).await }.boxed()
     }
 
     fn range<'a>(
@@ -668,7 +648,11 @@ impl HubStore for PgHubStore {
         end: Option<&'a [u8]>,
         limit: usize,
     ) -> BoxFuture<'a, Result<Entries, StoreError>> {
-        async move { self.pool.checkout().await?.range(start, end, limit).await }.boxed()
+        async move {
+            let mut conn = self.pool.checkout().await?;
+            conn.conn().range(start, end, limit, false).await
+        }
+        .boxed()
     }
 
     fn durable(&self, _gen: Generation) -> BoxFuture<'_, Result<(), StoreError>> {
@@ -692,11 +676,9 @@ impl HubStore for PgHubStore {
 
     fn size_bytes(&self) -> BoxFuture<'_, Result<Option<u64>, StoreError>> {
         async move {
-            let conn = self.pool.checkout().await?;
+            let mut conn = self.pool.checkout().await?;
             let row = conn
-                .conn
-                .as_ref()
-                .expect("present until dropped")
+                .conn()
                 .client
                 .query_one("SELECT pg_total_relation_size('hub_kv')::BIGINT", &[])
                 .await

@@ -327,8 +327,9 @@ async fn authenticate(
                         shared
                             .counters
                             .auth_failures
-                            .fetch_add(1, Ordering::Relaxed);
-                        shared.counters.auth_failure_reasons.count(&e);
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .count(&e);
                         tracing::debug!(error = %e, "authentication refused");
                         let _ = tx.send(binary(&ServerFrame::Error(e.clone()))).await;
                         let _ = tx.send(close(CloseCode::Policy, &e.to_string())).await;
