@@ -8,9 +8,9 @@
 
 use crate::transport::{handshake_url, ws_config, Connector};
 use crate::wire::{
-    auth_message, Auth, ClientFrame, Delivery, DeviceId, FetchResult, FrameRef, HubError, Publish,
-    PublishOutcome, Request, Response, ServerFrame, StoreId, TopicId, MIN_PROTOCOL_VERSION,
-    PROTOCOL_VERSION,
+    auth_message, Auth, ChangeOutcome, ClientFrame, Delivery, DeviceId, FetchResult, FrameRef,
+    HubError, Publish, PublishOutcome, Request, Response, ServerFrame, StoreId, SubscriptionChange,
+    TopicId, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
 };
 use ed25519_dalek::{Signer, SigningKey};
 use futures::{SinkExt, StreamExt};
@@ -534,6 +534,30 @@ impl HubClient {
             .await?
         {
             Response::Unsubscribed { existed } => Ok(existed),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Apply many subscription changes in one request
+    /// ([`Request::Subscriptions`], at most
+    /// [`MAX_SUBSCRIPTION_CHANGES`](crate::wire::MAX_SUBSCRIPTION_CHANGES));
+    /// answers one outcome per change, in order. A change the hub refused
+    /// is [`ChangeOutcome::Refused`], not an error: the others stand.
+    ///
+    /// # Errors
+    /// As [`HubClient::request`]; the hub refuses the whole request with
+    /// `TooManyChanges` or `RateLimited`, and nothing changed.
+    pub async fn change_subscriptions(
+        &self,
+        changes: Vec<SubscriptionChange>,
+    ) -> Result<Vec<ChangeOutcome>, ClientError> {
+        let count = changes.len();
+        match self.request(Request::Subscriptions { changes }).await? {
+            Response::SubscriptionsChanged { outcomes } if outcomes.len() == count => Ok(outcomes),
+            Response::SubscriptionsChanged { outcomes } => Err(ClientError::Protocol(format!(
+                "{} outcomes for {count} subscription changes",
+                outcomes.len()
+            ))),
             other => Err(unexpected(other)),
         }
     }

@@ -244,9 +244,17 @@ struct HubArgs {
     /// Log frames kept per topic before the oldest are trimmed.
     #[arg(long, default_value_t = 100_000)]
     max_log_depth: u64,
-    /// Subscriptions per device.
-    #[arg(long, default_value_t = 1000)]
+    /// Subscriptions per device (a device follows 3 topics per group on
+    /// its commit hub, up to 13 right after many roster changes).
+    #[arg(long, default_value_t = 20_000)]
     max_subscriptions: u32,
+    /// Sustained subscription changes per second per device (topics whose
+    /// subscription was written, plus one per request).
+    #[arg(long, default_value_t = 100.0)]
+    subscription_rate: f64,
+    /// Burst of subscription changes per device.
+    #[arg(long, default_value_t = 20_000.0)]
+    subscription_burst: f64,
     /// Seconds between retention purges.
     #[arg(long, default_value_t = 60)]
     purge_interval: u64,
@@ -363,6 +371,10 @@ async fn run_hub(args: HubArgs) -> Result<(), String> {
         target_rate: Rate {
             per_sec: args.target_rate,
             burst: args.target_burst,
+        },
+        subscription_rate: Rate {
+            per_sec: args.subscription_rate,
+            burst: args.subscription_burst,
         },
         max_log_depth: args.max_log_depth,
         max_subscriptions: args.max_subscriptions,

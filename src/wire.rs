@@ -17,15 +17,17 @@ use std::fmt;
 /// version 4 made deliveries come from each subscription's cursor on the
 /// topic: a [`Delivery`] is named and acknowledged by its topic and sequence
 /// number ([`FrameRef`]), not by a per-device delivery id, so `Receive` and
-/// `ReceiveStarted` carry nothing and `Ack` names frames. Each changes how
-/// those frames encode, so a build speaks only version 4 and an older peer is told
+/// `ReceiveStarted` carry nothing and `Ack` names frames; version 5 added
+/// [`Request::Subscriptions`], many subscription changes in one request,
+/// which devices rely on to follow groups by the thousand. Each changes how
+/// those frames encode, so a build speaks only version 5 and an older peer is told
 /// `UnsupportedVersion` (hub side) or [`ClientError::Version`] (client side)
 /// instead of failing to decode.
 ///
 /// [`ClientError::Version`]: crate::client::ClientError::Version
-pub const PROTOCOL_VERSION: u16 = 4;
+pub const PROTOCOL_VERSION: u16 = 5;
 /// The oldest protocol version this build still accepts.
-pub const MIN_PROTOCOL_VERSION: u16 = 4;
+pub const MIN_PROTOCOL_VERSION: u16 = 5;
 /// Domain separator of the signed authentication message.
 pub const AUTH_DOMAIN: &[u8] = b"hubsync-auth-v1\0";
 
@@ -494,6 +496,62 @@ pub enum Request {
     },
     /// The SHA-256 of each package in this device's pool, in claim order.
     ListKeyPackages,
+    /// Many subscription changes in one request (since version 5), applied
+    /// in order in one durable transaction, each taken or refused on its
+    /// own: what `Subscribe` and `Unsubscribe` do for one topic. At most
+    /// [`MAX_SUBSCRIPTION_CHANGES`] (`TooManyChanges`). Paced by the
+    /// device's subscription bucket, not its publish bucket: a change that
+    /// writes nothing (subscribing again with the same retention) costs
+    /// nothing, so re-subscribing everything after a reconnect is cheap.
+    Subscriptions {
+        /// The changes, in order; a later change of a topic sees an
+        /// earlier one.
+        changes: Vec<SubscriptionChange>,
+    },
+}
+
+/// The most changes one [`Request::Subscriptions`] may carry.
+pub const MAX_SUBSCRIPTION_CHANGES: usize = 1000;
+
+/// One change of a [`Request::Subscriptions`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum SubscriptionChange {
+    /// As [`Request::Subscribe`].
+    Subscribe {
+        /// The topic.
+        topic: TopicId,
+        /// How long frames wait for this subscriber; `None` takes the default.
+        retention_secs: Option<u64>,
+    },
+    /// As [`Request::Unsubscribe`].
+    Unsubscribe {
+        /// The topic.
+        topic: TopicId,
+    },
+}
+
+impl SubscriptionChange {
+    /// The topic it changes.
+    pub fn topic(&self) -> &TopicId {
+        match self {
+            Self::Subscribe { topic, .. } | Self::Unsubscribe { topic } => topic,
+        }
+    }
+}
+
+/// What became of one [`SubscriptionChange`], in the order of the request.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ChangeOutcome {
+    /// The subscription exists with the retention asked for.
+    Subscribed,
+    /// No subscription is left; `existed` says whether there was one.
+    Unsubscribed {
+        /// Whether a subscription was removed.
+        existed: bool,
+    },
+    /// Refused, nothing changed for this topic: `BadTopic`,
+    /// `NotAuthorized`, `RetentionTooLong` or `TooManySubscriptions`.
+    Refused(HubError),
 }
 
 /// The successful answer to a [`Request`].
@@ -547,6 +605,11 @@ pub enum Response {
     KeyPackageDigests {
         /// SHA-256 of each pool package, in claim order.
         digests: Vec<[u8; 32]>,
+    },
+    /// Answer to `Subscriptions`: one outcome per change, in order.
+    SubscriptionsChanged {
+        /// The outcomes.
+        outcomes: Vec<ChangeOutcome>,
     },
 }
 
@@ -638,11 +701,13 @@ pub enum HubError {
     #[error("a mailbox publish cannot carry a head condition")]
     HeadConditionOnMailbox,
     /// A token bucket is empty: too many requests from this device, to
-    /// this topic, to this mailbox from this sender, or key-package claims
-    /// by this claimer or for this target.
+    /// this topic, to this mailbox from this sender, key-package claims
+    /// by this claimer or for this target, or subscription changes by this
+    /// device.
     #[error("rate limited ({scope}); retry in {retry_after_ms} ms")]
     RateLimited {
-        /// Which bucket: `device`, `topic`, `mailbox`, `claimer` or `target`.
+        /// Which bucket: `device`, `topic`, `mailbox`, `claimer`, `target`
+        /// or `subscriptions`.
         scope: String,
         /// When a token is available again.
         retry_after_ms: u64,
@@ -753,6 +818,15 @@ pub enum HubError {
     #[error("the mailbox holds {max} frames its owner has not received; try again later")]
     MailboxFull {
         /// The limit (`max_mailbox_frames`).
+        max: u64,
+    },
+    /// A `Subscriptions` request with more changes than
+    /// [`MAX_SUBSCRIPTION_CHANGES`]; nothing was changed. Split it.
+    #[error("{count} subscription changes in one request exceeds the maximum of {max}")]
+    TooManyChanges {
+        /// Changes in the request.
+        count: u64,
+        /// The limit.
         max: u64,
     },
 }
@@ -906,7 +980,7 @@ impl From<DecodeError> for HubError {
 
 /// The number of [`Request`] variants; an operation index at or above this is
 /// unknown.
-const REQUEST_OPS: u32 = 12;
+const REQUEST_OPS: u32 = 13;
 
 fn encode_body<T: Serialize>(kind: u8, body: &T) -> Vec<u8> {
     let out = vec![kind];
@@ -1087,10 +1161,10 @@ mod tests {
         // The last variant must have index REQUEST_OPS - 1.
         let bytes = ClientFrame::Request {
             id: 0,
-            op: Request::ListKeyPackages,
+            op: Request::Subscriptions { changes: vec![] },
         }
         .encode();
-        assert_eq!(bytes, vec![2, 0, (REQUEST_OPS - 1) as u8]);
+        assert_eq!(bytes, vec![2, 0, (REQUEST_OPS - 1) as u8, 0]);
     }
 
     #[test]

@@ -8,8 +8,9 @@ use hubsync::hub::{Limits, Rate};
 use hubsync::testkit::{signing_key, FaultyKv, TestHub, TestStore};
 use hubsync::transport::TcpConnector;
 use hubsync::wire::{
-    Challenge, ClientFrame, ExpectedHead, FrameRef, HubError, PublishOutcome, Request,
-    RetentionClass, ServerFrame, TopicId, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
+    Challenge, ChangeOutcome, ClientFrame, ExpectedHead, FrameRef, HubError, PublishOutcome,
+    Request, RetentionClass, ServerFrame, SubscriptionChange, TopicId, MAX_SUBSCRIPTION_CHANGES,
+    MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
 };
 use std::collections::HashSet;
 use std::time::Duration;
@@ -406,6 +407,183 @@ async fn subscriptions_are_limited_durable_and_never_clamped(store: TestStore) {
         other => panic!("{other:?}"),
     }
     h.stop().await;
+}
+
+fn sub(topic: &str, retention_secs: Option<u64>) -> SubscriptionChange {
+    SubscriptionChange::Subscribe {
+        topic: TopicId::from(topic),
+        retention_secs,
+    }
+}
+
+fn unsub(topic: &str) -> SubscriptionChange {
+    SubscriptionChange::Unsubscribe {
+        topic: TopicId::from(topic),
+    }
+}
+
+async fn subscription_changes_in_one_request_each_stand_alone(store: TestStore) {
+    let hub = TestHub::start_on(store, |_| {}).await.unwrap();
+    let (ka, kb) = (signing_key(1), signing_key(2));
+    let a = hub.client(&ka).await.unwrap();
+    let b = hub.client(&kb).await.unwrap();
+    let b_mailbox = TopicId::mailbox(&device_of(&kb));
+    let outcomes = a
+        .change_subscriptions(vec![
+            sub("a", None),
+            SubscriptionChange::Subscribe {
+                topic: TopicId(vec![]),
+                retention_secs: None,
+            },
+            // Another device's mailbox: only its owner may read it.
+            SubscriptionChange::Subscribe {
+                topic: b_mailbox.clone(),
+                retention_secs: None,
+            },
+            sub("b", Some(40 * 24 * 3600)),
+            sub("a", Some(60)),
+            unsub("c"),
+            sub("c", None),
+            unsub("c"),
+        ])
+        .await
+        .unwrap();
+    assert_eq!(
+        outcomes,
+        vec![
+            ChangeOutcome::Subscribed,
+            ChangeOutcome::Refused(HubError::BadTopic { len: 0, max: 256 }),
+            ChangeOutcome::Refused(HubError::NotAuthorized),
+            ChangeOutcome::Refused(HubError::RetentionTooLong {
+                requested_secs: 40 * 24 * 3600,
+                max_secs: 30 * 24 * 3600
+            }),
+            ChangeOutcome::Subscribed,
+            ChangeOutcome::Unsubscribed { existed: false },
+            ChangeOutcome::Subscribed,
+            ChangeOutcome::Unsubscribed { existed: true },
+        ]
+    );
+    // One change too many: refused whole, nothing changed.
+    let many: Vec<_> = (0..=MAX_SUBSCRIPTION_CHANGES)
+        .map(|i| sub(&format!("many{i}"), None))
+        .collect();
+    assert_eq!(
+        a.change_subscriptions(many).await,
+        Err(ClientError::Hub(HubError::TooManyChanges {
+            count: MAX_SUBSCRIPTION_CHANGES as u64 + 1,
+            max: MAX_SUBSCRIPTION_CHANGES as u64
+        }))
+    );
+    assert!(!a.unsubscribe(&TopicId::from("many0")).await.unwrap());
+
+    // A follows "a" and nothing else: not "b", not "c", not B's mailbox.
+    let mut rx = a.take_pushes().unwrap();
+    a.receive().await.unwrap();
+    for (i, t) in ["b", "c"].into_iter().enumerate() {
+        b.publish(mailbox(t, i as u64 + 1, b"not for a"))
+            .await
+            .unwrap();
+    }
+    let c = hub.client(&signing_key(3)).await.unwrap();
+    let mut to_b = mailbox("x", 9, b"for b only");
+    to_b.topic = b_mailbox;
+    c.publish(to_b).await.unwrap();
+    b.publish(mailbox("a", 10, b"for a")).await.unwrap();
+    match next_push(&mut rx).await {
+        Some(Push::Delivery(d)) => assert_eq!(d.payload, b"for a"),
+        other => panic!("{other:?}"),
+    }
+    no_push(&mut rx).await;
+    hub.stop().await;
+}
+
+async fn subscription_changes_have_their_own_bucket(store: TestStore) {
+    let hub = TestHub::start_on(store, |c| {
+        c.limits.subscription_rate = Rate {
+            per_sec: 2.0,
+            burst: 5.0,
+        };
+        c.limits.device_rate = Rate {
+            per_sec: 1.0,
+            burst: 3.0,
+        };
+    })
+    .await
+    .unwrap();
+    let a = hub.client(&signing_key(1)).await.unwrap();
+    let four: Vec<_> = (0..4).map(|i| sub(&format!("t{i}"), None)).collect();
+    // One token for the request, one per subscription written: all five.
+    a.change_subscriptions(four.clone()).await.unwrap();
+    let limited = a.change_subscriptions(four.clone()).await;
+    assert!(
+        matches!(
+            limited,
+            Err(ClientError::Hub(HubError::RateLimited { ref scope, .. })) if scope == "subscriptions"
+        ),
+        "{limited:?}"
+    );
+    // Publishing spends the device's own bucket, untouched by the above.
+    for i in 0..3 {
+        a.publish(mailbox("elsewhere", i, b"x")).await.unwrap();
+    }
+    // Subscribing again to what is held writes nothing: once the bucket
+    // holds a token, the four cost that one token.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let again = a.change_subscriptions(four.clone()).await.unwrap();
+    assert!(again.iter().all(|o| *o == ChangeOutcome::Subscribed));
+    let changed = a.change_subscriptions(vec![sub("t0", Some(60))]).await;
+    assert!(
+        matches!(
+            changed,
+            Err(ClientError::Hub(HubError::RateLimited { ref scope, .. })) if scope == "subscriptions"
+        ),
+        "{changed:?}"
+    );
+    hub.stop().await;
+}
+
+async fn a_device_follows_thirteen_thousand_topics(store: TestStore) {
+    // A device in 1,000 groups, each right after ten roster changes in a
+    // row (13 topics), under the default limits.
+    const TOPICS: usize = 13_000;
+    let hub = TestHub::start_on(store, |_| {}).await.unwrap();
+    let key = signing_key(1);
+    let topics: Vec<String> = (0..TOPICS).map(|i| format!("group-topic-{i}")).collect();
+    let subscribe_all = |c: HubClient| {
+        let topics = topics.clone();
+        async move {
+            for chunk in topics.chunks(MAX_SUBSCRIPTION_CHANGES) {
+                let outcomes = c
+                    .change_subscriptions(chunk.iter().map(|t| sub(t, None)).collect())
+                    .await
+                    .unwrap();
+                assert!(outcomes.iter().all(|o| *o == ChangeOutcome::Subscribed));
+            }
+            c
+        }
+    };
+    let a = subscribe_all(hub.client(&key).await.unwrap()).await;
+    drop(a);
+    // A reconnect subscribes everything again: 13 requests, nothing
+    // written, nothing refused.
+    let a = subscribe_all(hub.client(&key).await.unwrap()).await;
+    let mut rx = a.take_pushes().unwrap();
+    a.receive().await.unwrap();
+    let b = hub.client(&signing_key(2)).await.unwrap();
+    let last = &topics[TOPICS - 1];
+    b.publish(mailbox(&topics[0], 1, b"first")).await.unwrap();
+    b.publish(mailbox(last, 2, b"last")).await.unwrap();
+    let mut got = Vec::new();
+    for _ in 0..2 {
+        match next_push(&mut rx).await {
+            Some(Push::Delivery(d)) => got.push(d.payload),
+            other => panic!("{other:?}"),
+        }
+    }
+    got.sort();
+    assert_eq!(got, vec![b"first".to_vec(), b"last".to_vec()]);
+    hub.stop().await;
 }
 
 async fn mailbox_reaches_every_subscriber_but_the_sender_until_acked(store: TestStore) {
@@ -957,10 +1135,11 @@ async fn auth_ok_carries_the_store_id_and_the_agreed_version(store: TestStore) {
 
 async fn an_older_device_is_refused_by_name(store: TestStore) {
     // Version 1 had no store id in AuthOk, version 2 no writer proof in
-    // Publish, version 3 delivery ids: an older device must hear
-    // `UnsupportedVersion`, not get (or send) a frame the other side cannot
-    // decode.
-    for old in [1, 2, 3] {
+    // Publish, version 3 delivery ids, version 4 no batched subscriptions
+    // (its devices could not follow a thousand groups): an older device
+    // must hear `UnsupportedVersion`, not get (or send) a frame the other
+    // side cannot decode.
+    for old in [1, 2, 3, 4] {
         let hub = TestHub::start_on(store, |_| {}).await.unwrap();
         let mut c = RawConn::open(hub.url()).await;
         let mut a = c.auth_for(&signing_key(1));
@@ -972,8 +1151,8 @@ async fn an_older_device_is_refused_by_name(store: TestStore) {
                 got,
                 Got::Frame(ServerFrame::Error(HubError::UnsupportedVersion {
                     requested,
-                    min: 4,
-                    max: 4,
+                    min: 5,
+                    max: 5,
                 })) if requested == old
             ),
             "version {old}: {got:?}"
@@ -1162,6 +1341,9 @@ on_both_stores!(
     publish_limits_are_named_errors,
     topic_rate_limit_spans_devices,
     subscriptions_are_limited_durable_and_never_clamped,
+    subscription_changes_in_one_request_each_stand_alone,
+    subscription_changes_have_their_own_bucket,
+    a_device_follows_thirteen_thousand_topics,
     mailbox_reaches_every_subscriber_but_the_sender_until_acked,
     receive_stream_cut_and_resumed_loses_nothing_and_repeats_nothing_acked,
     cas_race_has_exactly_one_winner,

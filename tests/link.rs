@@ -260,6 +260,44 @@ async fn deliveries_are_routed_by_topic_to_their_receivers() {
     l.stop().await;
 }
 
+/// Many subscriptions at once go in batches; a hub whose subscription
+/// bucket runs dry paces them, and every one is in place in the end, on the
+/// same connection.
+#[tokio::test]
+async fn a_rate_limited_burst_of_subscriptions_is_paced_and_completes() {
+    let hub = TestHub::start_with(|c| {
+        c.limits = Limits::unthrottled();
+        c.limits.subscription_rate = hubsync::hub::Rate {
+            per_sec: 20.0,
+            burst: 2.0,
+        };
+    })
+    .await
+    .unwrap();
+    let l = link(hub.url(), 1, fast());
+    assert!(l.wait_connected(WAIT).await);
+    let _first = l.subscribe(TopicId::from("first"), None);
+    l.flush_subscriptions().await.unwrap();
+    let mut receivers: Vec<_> = (0..1500)
+        .map(|i| l.subscribe(TopicId::from(format!("t{i}").as_str()), None))
+        .collect();
+    tokio::time::timeout(WAIT, l.flush_subscriptions())
+        .await
+        .expect("paced, not stuck")
+        .unwrap();
+    assert!(hub.hub().metrics().rate_limited.subscriptions >= 1);
+    assert_eq!(*l.connections().borrow(), 1, "no reconnect");
+    let publisher = hub.client(&signing_key(9)).await.unwrap();
+    for i in [0, 999, 1000, 1499] {
+        publisher
+            .publish(mailbox(&format!("t{i}"), i, b"x"))
+            .await
+            .unwrap();
+        assert_eq!(recv(&mut receivers[i as usize]).await.seq, 1);
+    }
+    l.stop().await;
+}
+
 /// Device 1 subscribed to `topic` at the hub in an earlier connection (say,
 /// before a restart), and no consumer has asked for it on a link yet.
 async fn subscribed_earlier(hub: &TestHub, topic: &str) {

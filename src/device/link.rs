@@ -6,8 +6,10 @@
 //! 1. **Connect.** Authenticate with [`HubClient::connect`], which learns
 //!    the identity of the hub's store (below).
 //! 2. **Re-subscribe** every routed topic (and retry every unsubscribe the hub
-//!    has not confirmed). A hub that rate-limits the burst gets the rest from
-//!    a background worker, paced by the hub's `retry_after_ms`.
+//!    has not confirmed), in batches of up to 1,000 changes per request
+//!    ([`HubClient::change_subscriptions`]); subscriptions the hub holds
+//!    already cost it nothing. A hub that rate-limits the burst gets the
+//!    rest from a background worker, paced by the hub's `retry_after_ms`.
 //! 3. **Receive**: start the receive stream. The hub pushes, for each
 //!    subscription, every frame after the frames this device acknowledged
 //!    there (its cursor, kept by the hub), then each new one, so nothing
@@ -65,7 +67,8 @@ use crate::client::{ClientError, ClientOptions, HubClient, Push};
 use crate::rng::SharedRng;
 use crate::transport::Connector;
 use crate::wire::{
-    Delivery, DeviceId, FetchResult, FrameRef, HubError, Publish, PublishOutcome, StoreId, TopicId,
+    ChangeOutcome, Delivery, DeviceId, FetchResult, FrameRef, HubError, Publish, PublishOutcome,
+    StoreId, SubscriptionChange, TopicId, MAX_SUBSCRIPTION_CHANGES,
 };
 use backoff::backoff::Backoff as _;
 use ed25519_dalek::SigningKey;
@@ -361,6 +364,7 @@ struct State {
 }
 
 /// What the hub should hold for a topic.
+#[derive(Clone, Copy, PartialEq, Eq)]
 enum Desired {
     Subscribed(Option<u64>),
     Unsubscribed,
@@ -561,58 +565,83 @@ impl Shared {
         }
     }
 
-    /// Bring the hub's subscriptions in line with the dirty topics.
-    /// Refusals are logged and the first is returned at the end; a failed
-    /// request puts its topic back and returns at once.
-    async fn sync_topics(&self, client: &HubClient, pace: Pace) -> Result<(), ClientError> {
+    /// Bring the hub's subscriptions in line with the dirty topics, up to
+    /// [`MAX_SUBSCRIPTION_CHANGES`] of them per request. Answers the first
+    /// change the hub refused (each refusal is logged and kept in the
+    /// refusal log); a failed request puts its topics back and returns at
+    /// once.
+    async fn sync_topics(
+        &self,
+        client: &HubClient,
+        pace: Pace,
+    ) -> Result<Option<HubError>, ClientError> {
         let mut refused: Option<HubError> = None;
         loop {
             let wait = {
                 let _serial = self.sub_lock.lock().await;
-                let (topic, desired) = {
+                let batch: Vec<(TopicId, Desired)> = {
                     let mut st = lock(&self.state);
-                    let Some(topic) = st.dirty.pop_first() else {
-                        break;
-                    };
-                    let d = st.desired(&topic);
-                    (topic, d)
-                };
-                let result = match desired {
-                    Desired::Subscribed(retention) => client.subscribe(&topic, retention).await,
-                    Desired::Unsubscribed => client.unsubscribe(&topic).await.map(|_| ()),
-                    Desired::Nothing => continue,
-                };
-                match result {
-                    Ok(()) => {
-                        if matches!(desired, Desired::Unsubscribed) {
-                            lock(&self.state).unsub_unconfirmed.remove(&topic);
-                        }
-                        tracing::debug!(?topic, "hub subscription synced");
-                        None
-                    }
-                    Err(ClientError::Hub(HubError::RateLimited { retry_after_ms, .. })) => {
-                        lock(&self.state).dirty.insert(topic);
-                        if pace == Pace::Defer {
-                            self.sub_wake.notify_one();
+                    let mut batch = Vec::new();
+                    while batch.len() < MAX_SUBSCRIPTION_CHANGES {
+                        let Some(topic) = st.dirty.pop_first() else {
                             break;
+                        };
+                        let d = st.desired(&topic);
+                        if d != Desired::Nothing {
+                            batch.push((topic, d));
                         }
-                        Some(Duration::from_millis(retry_after_ms.max(10)))
                     }
-                    Err(ClientError::Hub(e)) => {
-                        tracing::warn!(?topic, error = %e, "hub refused a subscription change");
-                        if matches!(desired, Desired::Subscribed(_)) {
-                            self.refusals
-                                .send_modify(|log| log.push(topic.clone(), e.clone()));
+                    batch
+                };
+                if batch.is_empty() {
+                    break;
+                }
+                let changes = batch
+                    .iter()
+                    .map(|(topic, d)| match d {
+                        Desired::Subscribed(retention_secs) => SubscriptionChange::Subscribe {
+                            topic: topic.clone(),
+                            retention_secs: *retention_secs,
+                        },
+                        _ => SubscriptionChange::Unsubscribe {
+                            topic: topic.clone(),
+                        },
+                    })
+                    .collect();
+                match client.change_subscriptions(changes).await {
+                    Ok(outcomes) => {
+                        for ((topic, desired), outcome) in batch.into_iter().zip(outcomes) {
+                            if desired == Desired::Unsubscribed {
+                                // Done either way: a refused unsubscribe
+                                // (a bad topic) would be refused again.
+                                lock(&self.state).unsub_unconfirmed.remove(&topic);
+                            }
+                            let ChangeOutcome::Refused(e) = outcome else {
+                                continue;
+                            };
+                            tracing::warn!(?topic, error = %e, "hub refused a subscription change");
+                            if desired != Desired::Unsubscribed {
+                                self.refusals
+                                    .send_modify(|log| log.push(topic.clone(), e.clone()));
+                            }
+                            refused.get_or_insert(e);
                         }
-                        if matches!(desired, Desired::Unsubscribed) {
-                            lock(&self.state).unsub_unconfirmed.remove(&topic);
-                        }
-                        refused.get_or_insert(e);
                         None
                     }
                     Err(e) => {
-                        lock(&self.state).dirty.insert(topic);
-                        return Err(e);
+                        lock(&self.state)
+                            .dirty
+                            .extend(batch.into_iter().map(|(topic, _)| topic));
+                        match e {
+                            ClientError::Hub(HubError::RateLimited { retry_after_ms, .. }) => {
+                                if pace == Pace::Defer {
+                                    self.sub_wake.notify_one();
+                                    break;
+                                }
+                                Some(Duration::from_millis(retry_after_ms.max(10)))
+                            }
+                            e => return Err(e),
+                        }
                     }
                 }
             };
@@ -623,10 +652,7 @@ impl Shared {
                 }
             }
         }
-        match refused {
-            Some(e) => Err(ClientError::Hub(e)),
-            None => Ok(()),
-        }
+        Ok(refused)
     }
 
     /// Ack `frames` on `client`. Failures are logged and dropped: the hub
@@ -670,7 +696,9 @@ impl Shared {
                 st.reset_for_connect();
             }
             match self.sync_topics(&client, Pace::Defer).await {
-                Ok(()) | Err(ClientError::Hub(_)) => {}
+                // A hub that failed the request (not the connection): the
+                // worker, woken once the connection is up, tries again.
+                Ok(_) | Err(ClientError::Hub(_)) => {}
                 Err(e) => return Err(format!("re-subscribing failed: {e}")),
             }
             client
@@ -943,7 +971,7 @@ async fn subscription_worker(shared: Arc<Shared>) {
                 },
             };
             match shared.sync_topics(&client, Pace::Wait).await {
-                Ok(()) | Err(ClientError::Hub(_)) => {}
+                Ok(_) => {}
                 Err(e) => {
                     tracing::debug!(error = %e, "subscription sync interrupted");
                     // A dead connection: `wait_up` waits for the next one
@@ -1206,10 +1234,11 @@ impl HubLink {
     /// Cancel safe: unfinished topics stay queued for the next sync.
     pub async fn flush_subscriptions(&self) -> Result<(), LinkError> {
         let client = self.connected().await?;
-        self.shared()
-            .sync_topics(&client, Pace::Wait)
-            .await
-            .map_err(LinkError::Client)
+        match self.shared().sync_topics(&client, Pace::Wait).await {
+            Ok(None) => Ok(()),
+            Ok(Some(refused)) => Err(LinkError::Client(ClientError::Hub(refused))),
+            Err(e) => Err(LinkError::Client(e)),
+        }
     }
 
     /// Acknowledge deliveries ([`Delivery::frame_ref`]) so the hub does not

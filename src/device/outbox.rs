@@ -277,6 +277,7 @@ impl SendFailure {
                 | HubError::RetentionTooLong { .. }
                 | HubError::BadFetchLimit { .. }
                 | HubError::TooManyAcks { .. }
+                | HubError::TooManyChanges { .. }
                 | HubError::BadKeyPackage { .. }
                 | HubError::KeyPackagePoolFull { .. }
                 | HubError::NoKeyPackage

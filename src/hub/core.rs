@@ -17,8 +17,8 @@ use super::store::{HubStore, HubTxn, StoreError};
 use super::stream::TopicStart;
 use crate::clock::Clock;
 use crate::wire::{
-    Delivery, DeviceId, ExpectedHead, FetchResult, HubError, LogFrame, Publish, PublishOutcome,
-    RetentionClass, StoreId, TopicId,
+    ChangeOutcome, Delivery, DeviceId, ExpectedHead, FetchResult, HubError, LogFrame, Publish,
+    PublishOutcome, RetentionClass, StoreId, SubscriptionChange, TopicId, MAX_SUBSCRIPTION_CHANGES,
 };
 use sha2::{Digest, Sha256};
 use std::collections::btree_map::Entry;
@@ -731,10 +731,7 @@ impl HubCore {
     }
 
     /// Subscribe `device` to `topic` (or change the retention of an existing
-    /// subscription). A new subscription's cursor starts at the topic's
-    /// last frame: frames published from now on are pushed to it. A
-    /// device's own mailbox keeps the cursor it has (from its first frame
-    /// when it never had one), so nothing posted there before is skipped.
+    /// subscription): [`HubCore::change_subscriptions`] with that one change.
     ///
     /// # Errors
     /// `BadTopic`, `NotAuthorized` (another device's mailbox),
@@ -745,68 +742,199 @@ impl HubCore {
         topic: &TopicId,
         retention_secs: Option<u64>,
     ) -> Result<Durable<()>, HubError> {
-        self.check_topic(topic)?;
-        self.check_reader(&device, topic)?;
-        let retention_ms = self.retention_ms(retention_secs)?;
-        self.rate.check(&device, None)?;
-        let skey = l::subscriber(topic, &device);
-        let dkey = l::device_meta(&device);
-        let own_mailbox = topic.mailbox_owner() == Some(device);
-        Ok(transact!(self, tx => {
-            let mut dmeta: DeviceMeta = read(&mut *tx, &dkey).await?.unwrap_or_default();
-            if tx.get(&skey).await.map_err(internal)?.is_none() {
-                if dmeta.subscriptions >= self.limits.max_subscriptions {
-                    return Err(HubError::TooManySubscriptions {
-                        max: self.limits.max_subscriptions,
-                    });
-                }
-                dmeta.subscriptions += 1;
-                tx.put(dkey.clone(), l::encode(&dmeta));
-                tx.put(l::device_subscription(&device, topic), vec![]);
-                if !own_mailbox {
-                    let meta: TopicMeta =
-                        read(&mut *tx, &l::topic_meta(topic)).await?.unwrap_or_default();
-                    tx.put(l::cursor(&device, topic), l::cursor_value(meta.last_seq));
-                }
-            }
-            tx.put(
-                skey.clone(),
-                l::encode(&Subscription {
-                    retention_secs: retention_ms / 1000,
-                }),
-            );
-        }))
+        let change = SubscriptionChange::Subscribe {
+            topic: topic.clone(),
+            retention_secs,
+        };
+        let r = self.change_subscriptions(device, &[change]).await?;
+        match r.value.into_iter().next() {
+            Some(ChangeOutcome::Refused(e)) => Err(e),
+            _ => Ok(Durable {
+                value: (),
+                gen: r.gen,
+            }),
+        }
     }
 
-    /// Drop a subscription and its cursor (a device's own mailbox keeps its
-    /// cursor: the mailbox is its whoever subscribes).
+    /// Drop a subscription and its cursor: [`HubCore::change_subscriptions`]
+    /// with that one change. Answers whether there was one.
     ///
     /// # Errors
-    /// `BadTopic`, `Internal`.
+    /// `BadTopic`, `RateLimited`, `Internal`.
     pub async fn unsubscribe(
         &self,
         device: DeviceId,
         topic: &TopicId,
     ) -> Result<Durable<bool>, HubError> {
-        self.check_topic(topic)?;
-        let skey = l::subscriber(topic, &device);
-        let dkey = l::device_meta(&device);
-        let own_mailbox = topic.mailbox_owner() == Some(device);
-        Ok(transact!(self, tx => {
-            if tx.get(&skey).await.map_err(internal)?.is_none() {
-                false
-            } else {
-                let mut dmeta: DeviceMeta = read(&mut *tx, &dkey).await?.unwrap_or_default();
-                dmeta.subscriptions = dmeta.subscriptions.saturating_sub(1);
-                tx.delete(skey.clone());
-                tx.delete(l::device_subscription(&device, topic));
-                if !own_mailbox {
-                    tx.delete(l::cursor(&device, topic));
+        let change = SubscriptionChange::Unsubscribe {
+            topic: topic.clone(),
+        };
+        let r = self.change_subscriptions(device, &[change]).await?;
+        match r.value.into_iter().next() {
+            Some(ChangeOutcome::Refused(e)) => Err(e),
+            Some(ChangeOutcome::Unsubscribed { existed }) => Ok(Durable {
+                value: existed,
+                gen: r.gen,
+            }),
+            _ => Ok(Durable {
+                value: false,
+                gen: r.gen,
+            }),
+        }
+    }
+
+    /// Apply `changes` to `device`'s subscriptions in order, in one
+    /// transaction; each is taken or refused on its own, and a later change
+    /// of a topic sees an earlier one.
+    ///
+    /// - **Subscribe** creates a subscription, or changes the retention of
+    ///   one. A new subscription's cursor starts at the topic's last frame:
+    ///   frames published from now on are pushed to it. A device's own
+    ///   mailbox keeps the cursor it has (from its first frame when it never
+    ///   had one), so nothing posted there before is skipped.
+    /// - **Unsubscribe** drops a subscription and its cursor (a device's
+    ///   own mailbox keeps its cursor: the mailbox is its whoever
+    ///   subscribes).
+    ///
+    /// Paced by the device's subscription bucket: one token per request,
+    /// checked before anything is read, and one per subscription written,
+    /// charged after. Subscribing again with the same retention writes
+    /// nothing, so re-subscribing after a reconnect costs one token.
+    ///
+    /// # Errors
+    /// The whole request: `TooManyChanges`, `RateLimited`, `Internal`, and
+    /// nothing changed. One change ([`ChangeOutcome::Refused`]): `BadTopic`,
+    /// `NotAuthorized` (another device's mailbox), `RetentionTooLong`,
+    /// `TooManySubscriptions` (only for a new subscription).
+    pub async fn change_subscriptions(
+        &self,
+        device: DeviceId,
+        changes: &[SubscriptionChange],
+    ) -> Result<Durable<Vec<ChangeOutcome>>, HubError> {
+        if changes.len() > MAX_SUBSCRIPTION_CHANGES {
+            return Err(HubError::TooManyChanges {
+                count: changes.len() as u64,
+                max: MAX_SUBSCRIPTION_CHANGES as u64,
+            });
+        }
+        // What each change asks for: `Some(retention)` to be subscribed
+        // with, `None` not to be; or why it is refused before any read.
+        let wanted: Vec<Result<Option<u64>, HubError>> = changes
+            .iter()
+            .map(|c| {
+                self.check_topic(c.topic())?;
+                match c {
+                    SubscriptionChange::Subscribe {
+                        topic,
+                        retention_secs,
+                    } => {
+                        self.check_reader(&device, topic)?;
+                        Ok(Some(self.retention_ms(*retention_secs)? / 1000))
+                    }
+                    SubscriptionChange::Unsubscribe { .. } => Ok(None),
                 }
-                tx.put(dkey.clone(), l::encode(&dmeta));
-                true
+            })
+            .collect();
+        self.rate.check_all(&[RateKey::Subscriptions(&device)])?;
+        let dkey = l::device_meta(&device);
+        let max = self.limits.max_subscriptions;
+        let done = transact!(self, tx => {
+            let mut dmeta: DeviceMeta = read(&mut *tx, &dkey).await?.unwrap_or_default();
+            let count_before = dmeta.subscriptions;
+            // The subscriptions the changes touch and the heads of the
+            // topics they subscribe to, read at once.
+            let touched: Vec<&TopicId> = changes
+                .iter()
+                .zip(&wanted)
+                .filter(|(_, w)| w.is_ok())
+                .map(|(c, _)| c.topic())
+                .collect();
+            let sub_keys: Vec<Vec<u8>> =
+                touched.iter().map(|t| l::subscriber(t, &device)).collect();
+            let meta_keys: Vec<Vec<u8>> = touched.iter().map(|t| l::topic_meta(t)).collect();
+            let subs = tx.get_many(&sub_keys).await.map_err(internal)?;
+            let metas = tx.get_many(&meta_keys).await.map_err(internal)?;
+            // What each touched topic is as the transaction goes: its
+            // retention when subscribed, and its head. (The transaction's
+            // reads see the store as it began, not its own writes.)
+            let mut now: BTreeMap<TopicId, (Option<u64>, u64)> = BTreeMap::new();
+            for (i, topic) in touched.iter().enumerate() {
+                let sub: Option<Subscription> = match &subs[i] {
+                    Some(v) => Some(l::decode(&sub_keys[i], v).map_err(kv_internal)?),
+                    None => None,
+                };
+                let meta: TopicMeta = match &metas[i] {
+                    Some(v) => l::decode(&meta_keys[i], v).map_err(kv_internal)?,
+                    None => TopicMeta::default(),
+                };
+                now.entry((*topic).clone())
+                    .or_insert((sub.map(|s| s.retention_secs), meta.last_seq));
             }
-        }))
+            let mut written = 0usize;
+            let mut outcomes = Vec::with_capacity(changes.len());
+            for (change, wanted) in changes.iter().zip(&wanted) {
+                let want = match wanted {
+                    Ok(w) => *w,
+                    Err(e) => {
+                        outcomes.push(ChangeOutcome::Refused(e.clone()));
+                        continue;
+                    }
+                };
+                let topic = change.topic();
+                let skey = l::subscriber(topic, &device);
+                let (current, last_seq) = now.get(topic).copied().unwrap_or_default();
+                let own_mailbox = topic.mailbox_owner() == Some(device);
+                let outcome = match (want, current) {
+                    (Some(secs), current) => {
+                        if current.is_none() {
+                            if dmeta.subscriptions >= max {
+                                outcomes.push(ChangeOutcome::Refused(
+                                    HubError::TooManySubscriptions { max },
+                                ));
+                                continue;
+                            }
+                            dmeta.subscriptions += 1;
+                            tx.put(l::device_subscription(&device, topic), vec![]);
+                            if !own_mailbox {
+                                tx.put(l::cursor(&device, topic), l::cursor_value(last_seq));
+                            }
+                        }
+                        if current != Some(secs) {
+                            tx.put(
+                                skey,
+                                l::encode(&Subscription {
+                                    retention_secs: secs,
+                                }),
+                            );
+                            written += 1;
+                        }
+                        ChangeOutcome::Subscribed
+                    }
+                    (None, Some(_)) => {
+                        dmeta.subscriptions = dmeta.subscriptions.saturating_sub(1);
+                        tx.delete(skey);
+                        tx.delete(l::device_subscription(&device, topic));
+                        if !own_mailbox {
+                            tx.delete(l::cursor(&device, topic));
+                        }
+                        written += 1;
+                        ChangeOutcome::Unsubscribed { existed: true }
+                    }
+                    (None, None) => ChangeOutcome::Unsubscribed { existed: false },
+                };
+                now.insert(topic.clone(), (want, last_seq));
+                outcomes.push(outcome);
+            }
+            if dmeta.subscriptions != count_before {
+                tx.put(dkey.clone(), l::encode(&dmeta));
+            }
+            (outcomes, written)
+        });
+        self.rate.charge_subscriptions(&device, done.value.1);
+        Ok(Durable {
+            value: done.value.0,
+            gen: done.gen,
+        })
     }
 
     /// Where `device`'s receive stream starts: every topic it subscribed to
@@ -831,13 +959,7 @@ impl HubCore {
             if !topics.contains(&mailbox) {
                 topics.push(mailbox);
             }
-            let mut out = Vec::with_capacity(topics.len());
-            for topic in topics {
-                if let Some(start) = self.topic_start_in(&mut *tx, device, topic).await? {
-                    out.push(start);
-                }
-            }
-            out
+            self.topic_starts_in(&mut *tx, device, topics).await?
         });
         self.durable(seen.gen).await?;
         Ok(seen.value)
@@ -854,41 +976,72 @@ impl HubCore {
         topic: &TopicId,
     ) -> Result<Option<TopicStart>, HubError> {
         let seen = transact!(self, tx => {
-            self.topic_start_in(&mut *tx, device, topic.clone()).await?
+            self.topic_starts_in(&mut *tx, device, vec![topic.clone()])
+                .await?
+                .pop()
         });
         self.durable(seen.gen).await?;
         Ok(seen.value)
     }
 
-    async fn topic_start_in(
+    /// Where `device`'s stream starts on each of `topics` it subscribed to
+    /// or owns (the others are left out), in three batched reads: the
+    /// subscriptions, the cursors, the topics' heads.
+    async fn topic_starts_in(
         &self,
         tx: &mut dyn HubTxn,
         device: DeviceId,
-        topic: TopicId,
-    ) -> Result<Option<TopicStart>, HubError> {
-        let sub: Option<Subscription> = read(tx, &l::subscriber(&topic, &device)).await?;
-        let own_mailbox = topic.mailbox_owner() == Some(device);
-        if sub.is_none() && !own_mailbox {
-            return Ok(None);
+        topics: Vec<TopicId>,
+    ) -> Result<Vec<TopicStart>, HubError> {
+        let keys: Vec<Vec<u8>> = topics.iter().map(|t| l::subscriber(t, &device)).collect();
+        let subs = tx.get_many(&keys).await.map_err(internal)?;
+        let mut followed = Vec::with_capacity(topics.len());
+        for ((topic, key), sub) in topics.into_iter().zip(&keys).zip(subs) {
+            let sub: Option<Subscription> = match sub {
+                Some(v) => Some(l::decode(key, &v).map_err(kv_internal)?),
+                None => None,
+            };
+            let retention_secs = match sub {
+                Some(s) => s.retention_secs,
+                None if topic.mailbox_owner() == Some(device) => {
+                    self.limits.max_retention.as_secs()
+                }
+                None => continue,
+            };
+            followed.push((topic, retention_secs));
         }
-        let retention_secs = match &sub {
-            Some(s) => s.retention_secs,
-            None => self.limits.max_retention.as_secs(),
-        };
-        let ckey = l::cursor(&device, &topic);
-        // No cursor: the device's own mailbox, or a subscription of a store
-        // written before protocol version 4. Both read everything held.
-        let cursor = match tx.get(&ckey).await.map_err(internal)? {
-            Some(v) => l::parse_cursor(&ckey, &v).map_err(kv_internal)?,
-            None => 0,
-        };
-        let meta: TopicMeta = read(tx, &l::topic_meta(&topic)).await?.unwrap_or_default();
-        Ok(Some(TopicStart {
-            topic,
-            cursor,
-            durable_through: meta.last_seq,
-            max_age_ms: retention_secs.saturating_mul(1000),
-        }))
+        let cursor_keys: Vec<Vec<u8>> = followed
+            .iter()
+            .map(|(t, _)| l::cursor(&device, t))
+            .collect();
+        let meta_keys: Vec<Vec<u8>> = followed.iter().map(|(t, _)| l::topic_meta(t)).collect();
+        let cursors = tx.get_many(&cursor_keys).await.map_err(internal)?;
+        let metas = tx.get_many(&meta_keys).await.map_err(internal)?;
+        let mut out = Vec::with_capacity(followed.len());
+        for (i, ((topic, retention_secs), (cursor, meta))) in followed
+            .into_iter()
+            .zip(cursors.into_iter().zip(metas))
+            .enumerate()
+        {
+            // No cursor: the device's own mailbox, or a subscription of a
+            // store written before protocol version 4. Both read
+            // everything held.
+            let cursor = match cursor {
+                Some(v) => l::parse_cursor(&cursor_keys[i], &v).map_err(kv_internal)?,
+                None => 0,
+            };
+            let meta: TopicMeta = match meta {
+                Some(v) => l::decode(&meta_keys[i], &v).map_err(kv_internal)?,
+                None => TopicMeta::default(),
+            };
+            out.push(TopicStart {
+                topic,
+                cursor,
+                durable_through: meta.last_seq,
+                max_age_ms: retention_secs.saturating_mul(1000),
+            });
+        }
+        Ok(out)
     }
 
     /// Up to `limit` frames of `topic` for `device`'s receive stream, above

@@ -27,7 +27,17 @@ pub struct Limits {
     pub device_rate: Rate,
     /// Publishes per topic (`RateLimited`).
     pub topic_rate: Rate,
-    /// Subscriptions per device (`TooManySubscriptions`).
+    /// Subscription changes per device, in topics whose subscription was
+    /// written (created, changed or dropped), plus one per request
+    /// (`RateLimited { scope: "subscriptions" }`). Apart from
+    /// `device_rate`, so following many groups never spends publish rate,
+    /// and re-subscribing what is already subscribed (after a reconnect)
+    /// costs one token per request.
+    pub subscription_rate: Rate,
+    /// Subscriptions per device (`TooManySubscriptions`). A device follows
+    /// 3 topics of a group on its commit hub (13 at worst, right after ten
+    /// roster changes in a row), so the default lets it follow more than a
+    /// thousand groups.
     pub max_subscriptions: u32,
     /// Log frames held per topic; a deeper log is trimmed from its oldest end,
     /// and readers behind the trim see `gap`.
@@ -81,7 +91,11 @@ impl Default for Limits {
                 per_sec: 100.0,
                 burst: 200.0,
             },
-            max_subscriptions: 1000,
+            subscription_rate: Rate {
+                per_sec: 100.0,
+                burst: 20_000.0,
+            },
+            max_subscriptions: 20_000,
             max_log_depth: 100_000,
             default_retention: Duration::from_secs(7 * 24 * 3600),
             max_retention: Duration::from_secs(30 * 24 * 3600),
@@ -123,6 +137,7 @@ impl Limits {
             mailbox_rate: fast,
             claimer_rate: fast,
             target_rate: fast,
+            subscription_rate: fast,
             max_mailbox_frames: u64::MAX,
             max_stored_bytes: u64::MAX,
             ..Self::default()
@@ -161,6 +176,7 @@ impl Limits {
             ("mailbox", self.mailbox_rate),
             ("claimer", self.claimer_rate),
             ("target", self.target_rate),
+            ("subscription", self.subscription_rate),
         ] {
             if r.per_sec.is_nan() || r.per_sec <= 0.0 || r.burst.is_nan() || r.burst < 1.0 {
                 return Err(format!("{name} rate needs per_sec > 0 and burst >= 1"));
@@ -217,6 +233,20 @@ impl<K: Hash + Eq + Clone> Buckets<K> {
         }
     }
 
+    /// Take `n` more tokens from `k`'s bucket, into debt if it has fewer
+    /// (at most one burst deep): the next request waits until it is
+    /// paid off.
+    fn charge(&mut self, k: &K, n: f64, now: Instant) {
+        let burst = self.rate.burst;
+        let mut b = self.map.remove(k).unwrap_or(Bucket {
+            tokens: burst,
+            at: now,
+        });
+        self.refill(&mut b, now);
+        b.tokens = (b.tokens - n).max(-burst);
+        self.map.insert(k.clone(), b);
+    }
+
     /// Forget buckets that are full again: they behave exactly like new ones.
     fn prune(&mut self, now: Instant) {
         let rate = self.rate;
@@ -245,6 +275,8 @@ pub(crate) enum RateKey<'a> {
     Claimer(&'a DeviceId),
     /// Key-package claims of one target's packages (`target`).
     Target(&'a DeviceId),
+    /// Subscription changes of one device (`subscriptions`).
+    Subscriptions(&'a DeviceId),
 }
 
 struct AllBuckets {
@@ -253,6 +285,7 @@ struct AllBuckets {
     mailboxes: Buckets<(DeviceId, DeviceId)>,
     claimers: Buckets<DeviceId>,
     targets: Buckets<DeviceId>,
+    subscriptions: Buckets<DeviceId>,
     refused: RateLimitRefusals,
 }
 
@@ -270,6 +303,8 @@ pub struct RateLimitRefusals {
     pub claimer: u64,
     /// Claims of one device's key packages, all claimers together.
     pub target: u64,
+    /// A device's subscription changes.
+    pub subscriptions: u64,
 }
 
 impl RateLimitRefusals {
@@ -279,19 +314,21 @@ impl RateLimitRefusals {
             "topic" => &mut self.topic,
             "mailbox" => &mut self.mailbox,
             "claimer" => &mut self.claimer,
+            "subscriptions" => &mut self.subscriptions,
             _ => &mut self.target,
         };
         *n += 1;
     }
 
     /// Every scope with its count, in a fixed order.
-    pub fn by_scope(&self) -> [(&'static str, u64); 5] {
+    pub fn by_scope(&self) -> [(&'static str, u64); 6] {
         [
             ("device", self.device),
             ("topic", self.topic),
             ("mailbox", self.mailbox),
             ("claimer", self.claimer),
             ("target", self.target),
+            ("subscriptions", self.subscriptions),
         ]
     }
 }
@@ -307,6 +344,7 @@ impl AllBuckets {
             }
             RateKey::Claimer(d) => (self.claimers.wait_ms(d, now), "claimer"),
             RateKey::Target(d) => (self.targets.wait_ms(d, now), "target"),
+            RateKey::Subscriptions(d) => (self.subscriptions.wait_ms(d, now), "subscriptions"),
         }
     }
 
@@ -317,6 +355,7 @@ impl AllBuckets {
             RateKey::Mailbox { sender, owner } => self.mailboxes.take(&(*sender, *owner)),
             RateKey::Claimer(d) => self.claimers.take(d),
             RateKey::Target(d) => self.targets.take(d),
+            RateKey::Subscriptions(d) => self.subscriptions.take(d),
         }
     }
 }
@@ -336,6 +375,7 @@ impl RateLimiter {
                 mailboxes: Buckets::new(limits.mailbox_rate),
                 claimers: Buckets::new(limits.claimer_rate),
                 targets: Buckets::new(limits.target_rate),
+                subscriptions: Buckets::new(limits.subscription_rate),
                 refused: RateLimitRefusals::default(),
             }),
         }
@@ -362,6 +402,18 @@ impl RateLimiter {
         Ok(())
     }
 
+    /// Charge `device`'s subscription bucket `n` tokens more than the one
+    /// [`RateLimiter::check_all`] took: the changes its request wrote,
+    /// known only once the request ran. The bucket may go into debt.
+    pub(crate) fn charge_subscriptions(&self, device: &DeviceId, n: usize) {
+        if n == 0 {
+            return;
+        }
+        let now = Instant::now();
+        let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        g.subscriptions.charge(device, n as f64, now);
+    }
+
     /// What was refused so far, by scope.
     pub(crate) fn refusals(&self) -> RateLimitRefusals {
         self.inner.lock().unwrap_or_else(|p| p.into_inner()).refused
@@ -384,6 +436,7 @@ impl RateLimiter {
         g.mailboxes.prune(now);
         g.claimers.prune(now);
         g.targets.prune(now);
+        g.subscriptions.prune(now);
     }
 }
 
@@ -462,6 +515,36 @@ mod tests {
             Err(HubError::RateLimited { ref scope, .. }) if scope == "mailbox"
         ));
         rl.check_all(&[key(&b)]).unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn subscription_changes_are_charged_after_and_may_go_into_debt() {
+        let limits = Limits {
+            subscription_rate: Rate {
+                per_sec: 10.0,
+                burst: 5.0,
+            },
+            device_rate: Rate {
+                per_sec: 1.0,
+                burst: 1.0,
+            },
+            ..Limits::default()
+        };
+        let rl = RateLimiter::new(&limits);
+        let d = DeviceId([1; 32]);
+        let key = [RateKey::Subscriptions(&d)];
+        rl.check_all(&key).unwrap();
+        // Twenty written: the bucket owes one burst at most.
+        rl.charge_subscriptions(&d, 20);
+        assert!(matches!(
+            rl.check_all(&key),
+            Err(HubError::RateLimited { ref scope, retry_after_ms: 600 }) if scope == "subscriptions"
+        ));
+        assert_eq!(rl.refusals().subscriptions, 1);
+        // The device's own bucket is another one.
+        rl.check(&d, None).unwrap();
+        tokio::time::advance(Duration::from_millis(600)).await;
+        rl.check_all(&key).unwrap();
     }
 
     #[tokio::test(start_paused = true)]

@@ -231,6 +231,12 @@ impl HubTxn for ConflictingTxn {
     fn get<'a>(&'a mut self, key: &'a [u8]) -> BoxFuture<'a, Result<Option<Vec<u8>>, StoreError>> {
         self.inner.get(key)
     }
+    fn get_many<'a>(
+        &'a mut self,
+        keys: &'a [Vec<u8>],
+    ) -> BoxFuture<'a, Result<Vec<Option<Vec<u8>>>, StoreError>> {
+        self.inner.get_many(keys)
+    }
     fn range<'a>(
         &'a mut self,
         start: &'a [u8],

@@ -291,6 +291,7 @@ fn rows_to_entries(rows: Vec<tokio_postgres::Row>) -> Result<Entries, StoreError
 /// The statements every connection prepares once.
 struct Statements {
     get: Statement,
+    get_many: Statement,
     range: Statement,
     range_open: Statement,
     upsert: Statement,
@@ -314,6 +315,22 @@ impl Conn {
         let query = self.client.query_opt(&self.stmts.get, &params);
         let row = with_begin(&self.client, begin, query).await?;
         row.map(|r| r.try_get(0).map_err(engine)).transpose()
+    }
+
+    /// The values under each of `keys`, in their order, in one query;
+    /// `BEGIN` goes first in the same pipeline when `begin`.
+    async fn get_many(
+        &self,
+        keys: &[Vec<u8>],
+        begin: bool,
+    ) -> Result<Vec<Option<Vec<u8>>>, StoreError> {
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&keys];
+        let query = self.client.query(&self.stmts.get_many, &params);
+        let found: std::collections::HashMap<Vec<u8>, Vec<u8>> =
+            rows_to_entries(with_begin(&self.client, begin, query).await?)?
+                .into_iter()
+                .collect();
+        Ok(keys.iter().map(|k| found.get(k).cloned()).collect())
     }
 
     /// Up to `limit` entries with `start <= key < end`; `BEGIN` goes first
@@ -413,8 +430,9 @@ impl Pool {
             let client = &client;
             async move { client.prepare(sql).await.map_err(PoolError::Sql) }
         };
-        let (get, range, range_open, upsert, delete, notify) = futures::try_join!(
+        let (get, get_many, range, range_open, upsert, delete, notify) = futures::try_join!(
             prepare("SELECT v FROM hub_kv WHERE k = $1"),
+            prepare("SELECT k, v FROM hub_kv WHERE k = ANY($1::BYTEA[])"),
             prepare("SELECT k, v FROM hub_kv WHERE k >= $1 AND k < $2 ORDER BY k LIMIT $3"),
             prepare("SELECT k, v FROM hub_kv WHERE k >= $1 ORDER BY k LIMIT $2"),
             prepare(
@@ -428,6 +446,7 @@ impl Pool {
             client,
             stmts: Statements {
                 get,
+                get_many,
                 range,
                 range_open,
                 upsert,
@@ -513,6 +532,17 @@ impl HubTxn for PgTxn {
         async move {
             let begin = self.begin_now();
             self.conn.conn().get(key, begin).await
+        }
+        .boxed()
+    }
+
+    fn get_many<'a>(
+        &'a mut self,
+        keys: &'a [Vec<u8>],
+    ) -> BoxFuture<'a, Result<Vec<Option<Vec<u8>>>, StoreError>> {
+        async move {
+            let begin = self.begin_now();
+            self.conn.conn().get_many(keys, begin).await
         }
         .boxed()
     }

@@ -17,8 +17,9 @@ use super::{HubShared, Session};
 use crate::transport::ws_config;
 use crate::transport::BoxStream;
 use crate::wire::{
-    auth_message, Auth, AuthOk, Challenge, ClientFrame, DecodeError, DeviceId, FrameRef, HubError,
-    Request, Response, ServerFrame, TopicId, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
+    auth_message, Auth, AuthOk, Challenge, ChangeOutcome, ClientFrame, DecodeError, DeviceId,
+    FrameRef, HubError, Request, Response, ServerFrame, SubscriptionChange, TopicId,
+    MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
 };
 use ed25519_dalek::{Signature, VerifyingKey};
 use futures::{SinkExt, StreamExt};
@@ -457,6 +458,42 @@ impl Conn {
         });
     }
 
+    /// Apply subscription changes, tell a running receive stream of this
+    /// device what it now follows, and answer with `answer(outcomes)` once
+    /// the changes are durable.
+    async fn change_subscriptions(
+        &self,
+        id: u64,
+        changes: Vec<SubscriptionChange>,
+        answer: impl FnOnce(Vec<ChangeOutcome>) -> Result<Response, HubError>,
+    ) {
+        let d = self.device;
+        let r = match self.shared.core.change_subscriptions(d, &changes).await {
+            Ok(r) => r,
+            Err(e) => return self.respond(id, Err(e)).await,
+        };
+        if let Some(stream) = self.shared.stream_of(d) {
+            for (change, outcome) in changes.iter().zip(&r.value) {
+                match (change, outcome) {
+                    // The stream learns of the topic and loads its cursor
+                    // (a no-op when it follows the topic already).
+                    (SubscriptionChange::Subscribe { topic, .. }, ChangeOutcome::Subscribed) => {
+                        stream.woken(topic, 0)
+                    }
+                    (
+                        SubscriptionChange::Unsubscribe { topic },
+                        ChangeOutcome::Unsubscribed { .. },
+                    ) if topic.mailbox_owner() != Some(d) => stream.forget(topic),
+                    _ => {}
+                }
+            }
+        }
+        match answer(r.value) {
+            Ok(out) => self.respond_when_durable(id, r.gen, out, None).await,
+            Err(e) => self.respond(id, Err(e)).await,
+        }
+    }
+
     async fn request(&self, id: u64, op: Request) {
         let core = &self.shared.core;
         let d = self.device;
@@ -502,30 +539,34 @@ impl Conn {
             Request::Subscribe {
                 topic,
                 retention_secs,
-            } => match core.subscribe(d, &topic, retention_secs).await {
-                Ok(r) => {
-                    // A running stream learns of the topic and loads its
-                    // cursor (a no-op when it follows the topic already).
-                    if let Some(stream) = self.shared.stream_of(d) {
-                        stream.woken(&topic, 0);
+            } => {
+                let change = SubscriptionChange::Subscribe {
+                    topic,
+                    retention_secs,
+                };
+                self.change_subscriptions(id, vec![change], |mut outcomes| match outcomes.pop() {
+                    Some(ChangeOutcome::Refused(e)) => Err(e),
+                    _ => Ok(Response::Subscribed),
+                })
+                .await
+            }
+            Request::Unsubscribe { topic } => {
+                let change = SubscriptionChange::Unsubscribe { topic };
+                self.change_subscriptions(id, vec![change], |mut outcomes| match outcomes.pop() {
+                    Some(ChangeOutcome::Refused(e)) => Err(e),
+                    Some(ChangeOutcome::Unsubscribed { existed }) => {
+                        Ok(Response::Unsubscribed { existed })
                     }
-                    self.respond_when_durable(id, r.gen, Response::Subscribed, None)
-                        .await
-                }
-                Err(e) => self.respond(id, Err(e)).await,
-            },
-            Request::Unsubscribe { topic } => match core.unsubscribe(d, &topic).await {
-                Ok(r) => {
-                    if let Some(stream) = self.shared.stream_of(d) {
-                        if topic.mailbox_owner() != Some(d) {
-                            stream.forget(&topic);
-                        }
-                    }
-                    let out = Response::Unsubscribed { existed: r.value };
-                    self.respond_when_durable(id, r.gen, out, None).await;
-                }
-                Err(e) => self.respond(id, Err(e)).await,
-            },
+                    _ => Ok(Response::Unsubscribed { existed: false }),
+                })
+                .await
+            }
+            Request::Subscriptions { changes } => {
+                self.change_subscriptions(id, changes, |outcomes| {
+                    Ok(Response::SubscriptionsChanged { outcomes })
+                })
+                .await
+            }
             Request::Ack { frames } => {
                 let max = self.shared.config.limits.max_acks;
                 let result = if frames.len() > max {

@@ -69,6 +69,25 @@ pub trait HubTxn: Send {
     /// [`StoreError::Engine`] when the engine failed.
     fn get<'a>(&'a mut self, key: &'a [u8]) -> BoxFuture<'a, Result<Option<Vec<u8>>, StoreError>>;
 
+    /// The values under each of `keys`, in the same order. The default
+    /// reads them one by one; a store a round trip away reads them at once.
+    ///
+    /// # Errors
+    /// [`StoreError::Engine`] when the engine failed.
+    fn get_many<'a>(
+        &'a mut self,
+        keys: &'a [Vec<u8>],
+    ) -> BoxFuture<'a, Result<Vec<Option<Vec<u8>>>, StoreError>> {
+        async move {
+            let mut out = Vec::with_capacity(keys.len());
+            for k in keys {
+                out.push(self.get(k).await?);
+            }
+            Ok(out)
+        }
+        .boxed()
+    }
+
     /// Up to `limit` entries with `start <= key < end` (no upper bound when
     /// `end` is `None`), in ascending key order.
     ///
