@@ -3,9 +3,11 @@
 mod demo;
 mod device_cli;
 
-use clap::{Parser, Subcommand};
+use clap::{Parser, Subcommand, ValueEnum};
 use hubsync::clock::Clock;
-use hubsync::hub::{Hub, HubConfig, HubStore, KvHubStore, Limits, PgHubStore, Rate};
+use hubsync::hub::{
+    Announce, Hub, HubConfig, HubStore, KvHubStore, Limits, PgHubStore, PgOptions, Rate,
+};
 use hubsync::kv::{KvStore, SledKv};
 use hubsync::rng::SharedRng;
 use hubsync::transport::{server_config_from_pem, TcpAcceptor, TlsListener};
@@ -197,6 +199,14 @@ struct HubArgs {
     /// Connections to PostgreSQL this process keeps at most (--store).
     #[arg(long, default_value_t = hubsync::hub::DEFAULT_POOL_SIZE)]
     store_pool: usize,
+    /// How hub processes sharing the database announce frames to each
+    /// other: `listen` (LISTEN/NOTIFY, PostgreSQL) or `poll` (a table read
+    /// every --store-poll-ms, for CockroachDB and YugabyteDB) (--store).
+    #[arg(long, value_enum, default_value_t = AnnounceMode::Listen)]
+    store_announce: AnnounceMode,
+    /// Milliseconds between polls with --store-announce poll.
+    #[arg(long, default_value_t = 100)]
+    store_poll_ms: u64,
     /// Serve the hub's counters in Prometheus's text format at
     /// http://ADDR/metrics (bind it where only operators reach it).
     #[arg(long, value_name = "ADDR")]
@@ -297,6 +307,28 @@ fn main() -> ExitCode {
     }
 }
 
+/// `--store-announce`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum AnnounceMode {
+    /// LISTEN/NOTIFY (PostgreSQL).
+    Listen,
+    /// A table every process polls (databases without LISTEN/NOTIFY).
+    Poll,
+}
+
+/// The PostgreSQL store's options from the command line.
+fn pg_options(args: &HubArgs) -> PgOptions {
+    PgOptions {
+        pool_size: args.store_pool,
+        announce: match args.store_announce {
+            AnnounceMode::Listen => Announce::Listen,
+            AnnounceMode::Poll => Announce::Poll {
+                interval: Duration::from_millis(args.store_poll_ms.max(1)),
+            },
+        },
+    }
+}
+
 /// The URL the hub announces: `public` if given, else the scheme's URL of
 /// the bound address. With TLS it must be `wss://`: a device dialling a
 /// `ws://` URL would not speak TLS to it.
@@ -339,7 +371,7 @@ async fn run_hub(args: HubArgs) -> Result<(), String> {
     let url = hub_url(args.public_url.clone(), addr, tls.is_some())?;
     let rng = SharedRng::from_entropy();
     let store: Arc<dyn HubStore> = match &args.store {
-        Some(url) => PgHubStore::open(url, args.store_pool, &rng)
+        Some(url) => PgHubStore::open(url, &pg_options(&args), &rng)
             .await
             .map_err(|e| e.to_string())?,
         None => {

@@ -62,8 +62,8 @@ pub enum TestStore {
 #[derive(Clone, Debug)]
 enum Location {
     Dir(PathBuf),
-    /// A database URL, and how many connections a hub keeps to it.
-    Postgres(String, usize),
+    /// A database URL, and how a hub's store on it runs.
+    Postgres(String, crate::hub::PgOptions),
 }
 
 /// A deterministic signing key for tests: the same `n` gives the same device.
@@ -229,7 +229,11 @@ impl TestHub {
             TestStore::Postgres => {
                 let url = TestPostgres::shared()?.database().await?;
                 // A small pool: many test hubs share one test server.
-                Self::start_on_database(&url, 4, configure).await
+                let options = crate::hub::PgOptions {
+                    pool_size: 4,
+                    ..Default::default()
+                };
+                Self::start_on_database(&url, &options, configure).await
             }
         }
     }
@@ -241,11 +245,11 @@ impl TestHub {
     /// When no port can be had or the store cannot be opened.
     pub async fn start_on_database(
         url: &str,
-        pool: usize,
+        options: &crate::hub::PgOptions,
         configure: impl FnOnce(&mut HubConfig),
     ) -> io::Result<TestHub> {
         let temp = Arc::new(tempfile::tempdir()?);
-        let location = Location::Postgres(url.to_string(), pool);
+        let location = Location::Postgres(url.to_string(), options.clone());
         let mut hub =
             Self::start_inner(temp.path(), &location, "127.0.0.1:0", None, None, configure).await?;
         hub._temp = Some(temp);
@@ -385,8 +389,8 @@ impl TestHub {
                 }
                 Hub::start(store, config, Clock::System, rng).map_err(io::Error::other)?
             }
-            Location::Postgres(url, pool) => {
-                let store = PgHubStore::open(url, *pool, &rng)
+            Location::Postgres(url, options) => {
+                let store = PgHubStore::open(url, options, &rng)
                     .await
                     .map_err(io::Error::other)?;
                 Hub::start_on(store, config, Clock::System, rng).map_err(io::Error::other)?
@@ -454,6 +458,14 @@ impl TestHub {
     /// The running hub.
     pub fn hub(&self) -> &Hub {
         &self.hub
+    }
+
+    /// The database URL of a hub on PostgreSQL; `None` on sled.
+    pub fn database_url(&self) -> Option<String> {
+        match &self.location {
+            Location::Postgres(url, _) => Some(url.clone()),
+            Location::Dir(_) => None,
+        }
     }
 
     /// A client authenticated as `key`, over real TCP (and TLS for a TLS

@@ -10,8 +10,8 @@ mod common;
 use common::*;
 use hubsync::client::{HubClient, Push};
 use hubsync::device::{GroupId, InboxMessage};
-use hubsync::hub::Limits;
-use hubsync::testkit::{signing_key, TestDevice, TestHub, TestPostgres, TestStore};
+use hubsync::hub::{Announce, Limits, PgOptions};
+use hubsync::testkit::{signing_key, TestDevice, TestHub, TestPostgres};
 use hubsync::wire::{DeviceId, ExpectedHead, TopicId};
 use std::collections::HashSet;
 use std::time::Duration;
@@ -20,8 +20,15 @@ fn unthrottled(c: &mut hubsync::hub::HubConfig) {
     c.limits = Limits::unthrottled();
 }
 
-async fn two_hubs() -> (TestHub, TestHub) {
-    let a = TestHub::start_on(TestStore::Postgres, unthrottled)
+/// Two hubs on one fresh database, announcing to each other as `announce`
+/// says.
+async fn two_hubs(announce: Announce) -> (TestHub, TestHub) {
+    let url = TestPostgres::shared().unwrap().database().await.unwrap();
+    let options = PgOptions {
+        pool_size: 4,
+        announce,
+    };
+    let a = TestHub::start_on_database(&url, &options, unthrottled)
         .await
         .unwrap();
     let b = TestHub::start_beside(&a, unthrottled).await.unwrap();
@@ -32,6 +39,32 @@ async fn two_hubs() -> (TestHub, TestHub) {
     );
     (a, b)
 }
+
+const POLL: Announce = Announce::Poll {
+    interval: Duration::from_millis(20),
+};
+
+/// One test body, run with each way of announcing.
+macro_rules! with_each_announce {
+    ($($name:ident),* $(,)?) => {$(
+        mod $name {
+            #[tokio::test]
+            async fn listen() {
+                super::$name(hubsync::hub::Announce::Listen).await
+            }
+            #[tokio::test]
+            async fn poll() {
+                super::$name(super::POLL).await
+            }
+        }
+    )*};
+}
+
+with_each_announce!(
+    what_one_hub_accepts_the_other_pushes_at_once,
+    racers_on_two_hubs_have_exactly_one_winner,
+    frames_announced_while_the_other_hub_was_not_hearing_still_arrive,
+);
 
 /// The payloads of the next `n` deliveries (each within 5 s).
 async fn deliveries(rx: &mut tokio::sync::mpsc::Receiver<Push>, n: usize) -> Vec<Vec<u8>> {
@@ -58,9 +91,8 @@ async fn receiver(
     (c, rx)
 }
 
-#[tokio::test]
-async fn what_one_hub_accepts_the_other_pushes_at_once() {
-    let (a, b) = two_hubs().await;
+async fn what_one_hub_accepts_the_other_pushes_at_once(announce: Announce) {
+    let (a, b) = two_hubs(announce).await;
     let (_sub, mut rx) = receiver(&b, 1, "t").await;
     let publisher = a.client(&signing_key(2)).await.unwrap();
     for i in 0..20u8 {
@@ -80,9 +112,8 @@ async fn what_one_hub_accepts_the_other_pushes_at_once() {
     assert_eq!(deliveries(&mut rx, 1).await, vec![b"for you".to_vec()]);
 }
 
-#[tokio::test]
-async fn racers_on_two_hubs_have_exactly_one_winner() {
-    let (a, b) = two_hubs().await;
+async fn racers_on_two_hubs_have_exactly_one_winner(announce: Announce) {
+    let (a, b) = two_hubs(announce).await;
     let seed = a.client(&signing_key(100)).await.unwrap();
     seed.publish(log("race", 0, ExpectedHead::Empty, b"genesis"))
         .await
@@ -100,13 +131,14 @@ async fn racers_on_two_hubs_have_exactly_one_winner() {
     );
 }
 
-/// The listener's connection is cut while frames are accepted by the other
-/// hub: their announcements are lost, and still every frame arrives once
-/// the listener is back (it says what it may have missed, and the hub reads
-/// every followed topic's head again).
-#[tokio::test]
-async fn frames_announced_while_the_listener_was_away_still_arrive() {
-    let (a, b) = two_hubs().await;
+/// The connection that hears the other hub (listening, or polling) is cut
+/// while frames are accepted by the other hub: their announcements are
+/// lost (listen) or unread (poll), and still every frame arrives once the
+/// connection is back (it says what it may have missed, and the hub reads
+/// every followed topic's head again). Text in the announcement table that
+/// is no announcement is counted and ignored.
+async fn frames_announced_while_the_other_hub_was_not_hearing_still_arrive(announce: Announce) {
+    let (a, b) = two_hubs(announce).await;
     let (_sub, mut rx) = receiver(&b, 1, "t").await;
     let publisher = a.client(&signing_key(2)).await.unwrap();
     publisher
@@ -114,22 +146,30 @@ async fn frames_announced_while_the_listener_was_away_still_arrive() {
         .await
         .unwrap();
     assert_eq!(deliveries(&mut rx, 1).await, vec![b"before".to_vec()]);
+    let gaps = b.hub().metrics().announcement_gaps;
 
-    // Cut every listening connection (both hubs'), then publish at once.
+    // Cut every connection that hears the other hub (both hubs'), then
+    // publish at once.
     let server = TestPostgres::shared().unwrap();
     let (admin, conn) = tokio_postgres::connect(&server.url("postgres"), tokio_postgres::NoTls)
         .await
         .unwrap();
     tokio::spawn(conn);
+    let hearing = match announce {
+        Announce::Listen => "query = 'LISTEN hubsync_frames'",
+        Announce::Poll { .. } => "query LIKE '%FROM hub_announce%'",
+    };
     let cut = admin
         .query(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
-             WHERE query = 'LISTEN hubsync_frames'",
+            &format!(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE {hearing} \
+                 AND pid <> pg_backend_pid()"
+            ),
             &[],
         )
         .await
         .unwrap();
-    assert!(!cut.is_empty(), "the hubs listen");
+    assert!(!cut.is_empty(), "the hubs hear each other");
     for i in 1..=5u8 {
         publisher
             .publish(log("t", u64::from(i), ExpectedHead::Unconditional, &[i]))
@@ -138,6 +178,43 @@ async fn frames_announced_while_the_listener_was_away_still_arrive() {
     }
     let want: Vec<Vec<u8>> = (1..=5u8).map(|i| vec![i]).collect();
     assert_eq!(deliveries(&mut rx, 5).await, want);
+    assert!(b.hub().metrics().announcement_gaps > gaps);
+
+    if let Announce::Poll { .. } = announce {
+        // Nobody listens when the hubs poll: this works on databases
+        // without LISTEN/NOTIFY.
+        let listening = admin
+            .query(
+                "SELECT 1 FROM pg_stat_activity WHERE query = 'LISTEN hubsync_frames'",
+                &[],
+            )
+            .await
+            .unwrap();
+        assert!(listening.is_empty());
+        // Something else with access to the database writes a row that is
+        // no announcement: counted, ignored, and the hubs go on.
+        let (db, conn) = tokio_postgres::connect(&a.database_url().unwrap(), tokio_postgres::NoTls)
+            .await
+            .unwrap();
+        tokio::spawn(conn);
+        db.execute(
+            "INSERT INTO hub_announce (id, at, n) VALUES ('\\x00', \
+             (EXTRACT(EPOCH FROM clock_timestamp()) * 1000000)::BIGINT, 'not an announcement')",
+            &[],
+        )
+        .await
+        .unwrap();
+        publisher
+            .publish(log("t", 6, ExpectedHead::Unconditional, b"after"))
+            .await
+            .unwrap();
+        assert_eq!(deliveries(&mut rx, 1).await, vec![b"after".to_vec()]);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while b.hub().metrics().bad_announcements == 0 {
+            assert!(tokio::time::Instant::now() < deadline, "counted");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
 }
 
 /// A load balancer in miniature on the address of `url`: each new

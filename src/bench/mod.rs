@@ -501,7 +501,7 @@ async fn postgres_pairs(
         .await
         .map_err(|e| setup("PostgreSQL database", e))?;
     let unthrottled = |c: &mut crate::hub::HubConfig| c.limits = Limits::unthrottled();
-    let first = TestHub::start_on_database(&url, crate::hub::DEFAULT_POOL_SIZE, unthrottled)
+    let first = TestHub::start_on_database(&url, &crate::hub::PgOptions::default(), unthrottled)
         .await
         .map_err(|e| setup("hub on PostgreSQL", e))?;
     let second = TestHub::start_beside(&first, unthrottled)

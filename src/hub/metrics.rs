@@ -115,6 +115,24 @@ pub fn prometheus_text(m: &HubMetrics) -> String {
         m.cursor_save_failures,
     );
     t.one(
+        "announcements_total",
+        Counter,
+        "Frames other hub processes on the store announced to this one.",
+        m.announcements,
+    );
+    t.one(
+        "announcement_gaps_total",
+        Counter,
+        "Times announcements may have been missed (or were swept for) and every stream read its topics again.",
+        m.announcement_gaps,
+    );
+    t.one(
+        "bad_announcements_total",
+        Counter,
+        "Text on the announcement channel that was not an announcement.",
+        m.bad_announcements,
+    );
+    t.one(
         "store_commits_total",
         Counter,
         "Store flushes (sled, group commit) or database commits (PostgreSQL) that made data durable.",

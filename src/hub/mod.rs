@@ -27,7 +27,7 @@ pub use self::core::{Durable, HubCore, Published, PurgeReport, StreamPage};
 pub use self::layout::DeviceUsage;
 pub use self::limits::{Limits, Rate, RateLimitRefusals};
 pub use self::metrics::prometheus_text;
-pub use self::postgres::{PgHubStore, PgOpenError, DEFAULT_POOL_SIZE};
+pub use self::postgres::{Announce, PgHubStore, PgOpenError, PgOptions, DEFAULT_POOL_SIZE};
 pub use self::store::{Generation, HubStore, HubTxn, KvHubStore, StoreError};
 pub use self::stream::TopicStart;
 pub use crate::prom::HistogramSnapshot;
@@ -194,6 +194,16 @@ pub struct HubMetrics {
     /// purge (`HubConfig::purge_interval`); `None` when the store cannot
     /// say.
     pub store_bytes: Option<u64>,
+    /// Frames other hub processes on the store announced to this one.
+    pub announcements: u64,
+    /// Times this process may have missed other processes' announcements
+    /// (its listening connection was cut, or its queue was full) or swept
+    /// for them (a polling store, now and then), and had every receive
+    /// stream read its topics' heads again.
+    pub announcement_gaps: u64,
+    /// Text on the announcement channel that was not an announcement
+    /// (only something else with access to the database can send it).
+    pub bad_announcements: u64,
 }
 
 /// Authentications refused, by the error the device was told.
@@ -264,6 +274,8 @@ struct ServerCounters {
     unauthenticated: AtomicU64,
     unauthenticated_refused: AtomicU64,
     auth_timeouts: AtomicU64,
+    announcements: AtomicU64,
+    announcement_gaps: AtomicU64,
 }
 
 /// The receive stream a device has open.
@@ -338,6 +350,11 @@ impl HubShared {
 
     /// What another hub process on the store announced.
     async fn remote(&self, r: Remote) {
+        let counter = match r {
+            Remote::Frame { .. } => &self.counters.announcements,
+            Remote::Missed => &self.counters.announcement_gaps,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
         match r {
             Remote::Frame {
                 topic,
@@ -584,6 +601,9 @@ impl Hub {
                 u64::MAX => None,
                 n => Some(n),
             },
+            announcements: r(&s.announcements),
+            announcement_gaps: r(&s.announcement_gaps),
+            bad_announcements: self.shared.core.store().bad_announcements(),
         }
     }
 

@@ -359,7 +359,11 @@ async fn core_over(
         }
         Backing::Postgres(url) => {
             let rng = crate::rng::SharedRng::seeded(origin);
-            let store = super::PgHubStore::open(url, 2, &rng)
+            let options = super::PgOptions {
+                pool_size: 2,
+                ..Default::default()
+            };
+            let store = super::PgHubStore::open(url, &options, &rng)
                 .await
                 .expect("the test database opens");
             let core = HubCore::open(store, model_limits(), Clock::tokio(origin));

@@ -34,16 +34,20 @@
 //! holds), which PostgreSQL delivers only if the transaction commits; each
 //! store keeps one more connection that `LISTEN`s on it and hands what
 //! arrives to its hub ([`HubStore::announcements`]), which wakes the
-//! receive streams it holds. LISTEN/NOTIFY rather than polling a delivery
-//! table: it costs nothing while idle, adds one statement to the publish's
-//! pipeline, and delivers within a round trip; what it does not promise
-//! (delivery while the listener is reconnecting) is covered by the
-//! listener telling its hub that it may have missed announcements, upon
-//! which every stream reads its topics' heads again.
+//! receive streams it holds. LISTEN/NOTIFY ([`Announce::Listen`], the
+//! default) rather than polling a table: it costs nothing while idle, adds
+//! one statement to the publish's pipeline, and delivers within a round
+//! trip; what it does not promise (delivery while the listener is
+//! reconnecting) is covered by the listener telling its hub that it may
+//! have missed announcements, upon which every stream reads its topics'
+//! heads again. Databases that speak PostgreSQL without LISTEN/NOTIFY get
+//! [`Announce::Poll`]: the same announcement as a row of `hub_announce`,
+//! which every process reads now and then (see [`poll`]).
 //!
 //! The SQL is plain: `BYTEA`, `INSERT … ON CONFLICT … DO UPDATE`, `UNNEST`
-//! of arrays, `SERIALIZABLE`; nothing PostgreSQL-specific beyond what
-//! CockroachDB and YugabyteDB also run (docs/operations.md).
+//! of arrays, `SERIALIZABLE`; with [`Announce::Poll`], nothing
+//! PostgreSQL-specific beyond what CockroachDB and YugabyteDB also run
+//! (docs/operations.md).
 
 use super::announce::{self, Remote};
 use super::layout as l;
@@ -66,6 +70,9 @@ use tokio_postgres::{AsyncMessage, Client, NoTls, Statement};
 const MIGRATIONS: &[&str] = &[
     // 1: the key-value space.
     "CREATE TABLE IF NOT EXISTS hub_kv (k BYTEA PRIMARY KEY, v BYTEA NOT NULL)",
+    // 2: announcements for processes that poll ([`Announce::Poll`]).
+    "CREATE TABLE IF NOT EXISTS hub_announce (id BYTEA PRIMARY KEY, at BIGINT NOT NULL, \
+     n TEXT NOT NULL); CREATE INDEX IF NOT EXISTS hub_announce_at ON hub_announce (at)",
 ];
 
 /// Why a PostgreSQL store could not be opened.
@@ -97,6 +104,45 @@ pub enum PgOpenError {
 /// How many connections a store keeps at most, when not told.
 pub const DEFAULT_POOL_SIZE: usize = 16;
 
+/// How the hub processes on one database tell each other which frames are
+/// durable, so each pushes the others' frames at once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Announce {
+    /// A `NOTIFY` inside the publish's transaction, and one connection per
+    /// process that `LISTEN`s: nothing runs while idle, and a push follows
+    /// within a round trip. PostgreSQL only.
+    Listen,
+    /// A row in `hub_announce` inside the publish's transaction, which
+    /// every process reads every `interval`, for databases that speak
+    /// PostgreSQL's protocol without LISTEN/NOTIFY (CockroachDB,
+    /// YugabyteDB). A push follows within `interval`; each process runs one
+    /// small query per `interval`, and rows are deleted a minute after
+    /// they were written.
+    Poll {
+        /// How often each process reads the table.
+        interval: std::time::Duration,
+    },
+}
+
+/// How a [`PgHubStore`] runs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PgOptions {
+    /// Connections kept at most (at least 1 is used).
+    pub pool_size: usize,
+    /// How processes announce durable frames to each other.
+    pub announce: Announce,
+}
+
+impl Default for PgOptions {
+    /// [`DEFAULT_POOL_SIZE`] connections, [`Announce::Listen`].
+    fn default() -> Self {
+        Self {
+            pool_size: DEFAULT_POOL_SIZE,
+            announce: Announce::Listen,
+        }
+    }
+}
+
 /// A [`HubStore`] on a PostgreSQL database (see the [module docs](self)).
 pub struct PgHubStore {
     pool: Arc<Pool>,
@@ -105,6 +151,9 @@ pub struct PgHubStore {
     commits: Arc<AtomicU64>,
     /// This process's name in its announcements (it ignores its own).
     origin: u64,
+    announce: Announce,
+    /// Announcement rows written by this process, for their ids.
+    announced: Arc<AtomicU64>,
     /// Text on the announcement channel that was not an announcement.
     bad_announcements: Arc<AtomicU64>,
 }
@@ -121,7 +170,7 @@ impl PgHubStore {
     /// [`PgOpenError`], naming what failed.
     pub async fn open(
         url: &str,
-        pool_size: usize,
+        options: &PgOptions,
         rng: &SharedRng,
     ) -> Result<Arc<Self>, PgOpenError> {
         let config = tokio_postgres::Config::from_str(url).map_err(PgOpenError::Config)?;
@@ -140,13 +189,15 @@ impl PgHubStore {
         let pool = Arc::new(Pool {
             config,
             idle: Mutex::new(Vec::new()),
-            permits: Arc::new(Semaphore::new(pool_size.max(1))),
+            permits: Arc::new(Semaphore::new(options.pool_size.max(1))),
         });
         Ok(Arc::new(Self {
             pool,
             id,
             commits: Arc::new(AtomicU64::new(0)),
             origin: rng.next_u64(),
+            announce: options.announce,
+            announced: Arc::new(AtomicU64::new(0)),
             bad_announcements: Arc::new(AtomicU64::new(0)),
         }))
     }
@@ -297,6 +348,7 @@ struct Statements {
     upsert: Statement,
     delete: Statement,
     notify: Statement,
+    announce_row: Statement,
 }
 
 struct Conn {
@@ -430,7 +482,7 @@ impl Pool {
             let client = &client;
             async move { client.prepare(sql).await.map_err(PoolError::Sql) }
         };
-        let (get, get_many, range, range_open, upsert, delete, notify) = futures::try_join!(
+        let (get, get_many, range, range_open, upsert, delete, notify, announce_row) = futures::try_join!(
             prepare("SELECT v FROM hub_kv WHERE k = $1"),
             prepare("SELECT k, v FROM hub_kv WHERE k = ANY($1::BYTEA[])"),
             prepare("SELECT k, v FROM hub_kv WHERE k >= $1 AND k < $2 ORDER BY k LIMIT $3"),
@@ -441,6 +493,11 @@ impl Pool {
             ),
             prepare("DELETE FROM hub_kv WHERE k = ANY($1::BYTEA[])"),
             prepare("SELECT pg_notify('hubsync_frames', n) FROM UNNEST($1::TEXT[]) AS n"),
+            prepare(
+                "INSERT INTO hub_announce (id, at, n) \
+                 SELECT i, (EXTRACT(EPOCH FROM clock_timestamp()) * 1000000)::BIGINT, n \
+                 FROM UNNEST($1::BYTEA[], $2::TEXT[]) AS a(i, n)"
+            ),
         )?;
         Ok(Conn {
             client,
@@ -452,6 +509,7 @@ impl Pool {
                 upsert,
                 delete,
                 notify,
+                announce_row,
             },
             in_txn: false,
         })
@@ -490,10 +548,12 @@ struct PgTxn {
     /// Whether `BEGIN` was sent (it travels with the first request).
     begun: bool,
     writes: BTreeMap<Vec<u8>, Option<Vec<u8>>>,
-    /// Announcements sent with the commit (`NOTIFY` is delivered only if
-    /// the transaction commits).
+    /// Announcements sent with the commit (a `NOTIFY` is delivered, and a
+    /// row written, only if the transaction commits).
     announcements: Vec<String>,
     origin: u64,
+    announce: Announce,
+    announced: Arc<AtomicU64>,
     commits: Arc<AtomicU64>,
 }
 
@@ -614,11 +674,28 @@ impl HubTxn for PgTxn {
                 }
             };
             let announcements = std::mem::take(&mut self.announcements);
+            // A row's id: this process, then its count of rows.
+            let ids: Vec<Vec<u8>> = match self.announce {
+                Announce::Listen => Vec::new(),
+                Announce::Poll { .. } => announcements
+                    .iter()
+                    .map(|_| {
+                        let n = self.announced.fetch_add(1, Ordering::Relaxed);
+                        let mut id = self.origin.to_be_bytes().to_vec();
+                        id.extend_from_slice(&n.to_be_bytes());
+                        id
+                    })
+                    .collect(),
+            };
             let notify = async {
-                if announcements.is_empty() {
-                    Ok(0)
-                } else {
-                    client.execute(&c.stmts.notify, &[&announcements]).await
+                match self.announce {
+                    _ if announcements.is_empty() => Ok(0),
+                    Announce::Listen => client.execute(&c.stmts.notify, &[&announcements]).await,
+                    Announce::Poll { .. } => {
+                        client
+                            .execute(&c.stmts.announce_row, &[&ids, &announcements])
+                            .await
+                    }
                 }
             };
             let begin_req = async {
@@ -661,6 +738,8 @@ impl HubStore for PgHubStore {
                 writes: BTreeMap::new(),
                 announcements: Vec::new(),
                 origin: self.origin,
+                announce: self.announce,
+                announced: self.announced.clone(),
                 commits: self.commits.clone(),
             });
             Ok(txn)
@@ -719,17 +798,32 @@ impl HubStore for PgHubStore {
         .boxed()
     }
 
+    /// Text that arrived on the announcement channel (or in the
+    /// announcement table) and was not an announcement: ignored, and
+    /// counted here.
+    fn bad_announcements(&self) -> u64 {
+        self.bad_announcements.load(Ordering::Relaxed)
+    }
+
     fn announcements(&self) -> Option<mpsc::Receiver<Remote>> {
         let (tx, rx) = mpsc::channel(ANNOUNCEMENT_QUEUE);
         let config = self.pool.config.clone();
         let origin = self.origin;
         let bad = self.bad_announcements.clone();
+        let announce = self.announce;
         tokio::spawn(async move {
             loop {
                 let ended = tokio::select! {
                     // The hub stopped reading.
                     _ = tx.closed() => return,
-                    ended = listen(&config, &tx, origin, &bad) => ended,
+                    ended = async {
+                        match announce {
+                            Announce::Listen => listen(&config, &tx, origin, &bad).await,
+                            Announce::Poll { interval } => {
+                                poll(&config, &tx, origin, &bad, interval).await
+                            }
+                        }
+                    } => ended,
                 };
                 if tx.is_closed() {
                     return;
@@ -737,7 +831,7 @@ impl HubStore for PgHubStore {
                 if let Err(e) = ended {
                     tracing::warn!(
                         error = %e,
-                        "hub store: the connection listening for other hub processes ended; \
+                        "hub store: the connection hearing other hub processes ended; \
                          reconnecting (streams read their topics again once it is back)"
                     );
                 }
@@ -745,15 +839,6 @@ impl HubStore for PgHubStore {
             }
         });
         Some(rx)
-    }
-}
-
-impl PgHubStore {
-    /// Text that arrived on the announcement channel and was not an
-    /// announcement (only something else with access to the database can
-    /// send it): ignored, and counted here.
-    pub fn bad_announcements(&self) -> u64 {
-        self.bad_announcements.load(Ordering::Relaxed)
     }
 }
 
@@ -803,24 +888,121 @@ async fn listen(
         let AsyncMessage::Notification(n) = m? else {
             continue;
         };
-        match announce::decode(n.payload()) {
-            Some((from, _)) if from == origin => {}
-            Some((_, remote)) => match tx.try_send(remote) {
-                Ok(()) => {}
-                Err(mpsc::error::TrySendError::Full(_)) => {
-                    if tx.send(Remote::Missed).await.is_err() {
-                        return Ok(());
-                    }
-                }
-                Err(mpsc::error::TrySendError::Closed(_)) => return Ok(()),
-            },
-            None => {
-                bad.fetch_add(1, Ordering::Relaxed);
-            }
+        if !hand_over(n.payload(), tx, origin, bad).await {
+            return Ok(());
         }
     }
     drop(client);
     Ok(())
+}
+
+/// Pass the announcement `text` to the hub: decoded, unless it is this
+/// process's own; when the queue is full, [`Remote::Missed`] instead.
+/// Answers `false` once the hub stopped reading.
+async fn hand_over(text: &str, tx: &mpsc::Sender<Remote>, origin: u64, bad: &AtomicU64) -> bool {
+    match announce::decode(text) {
+        Some((from, _)) if from == origin => true,
+        Some((_, remote)) => match tx.try_send(remote) {
+            Ok(()) => true,
+            Err(mpsc::error::TrySendError::Full(_)) => tx.send(Remote::Missed).await.is_ok(),
+            Err(mpsc::error::TrySendError::Closed(_)) => false,
+        },
+        None => {
+            bad.fetch_add(1, Ordering::Relaxed);
+            true
+        }
+    }
+}
+
+/// How far back each poll reads before the newest row it has seen, in µs:
+/// a row is stamped just before its transaction commits, so a commit that
+/// becomes visible later than this after its stamp (or a database node
+/// whose clock is off by more) is missed by the polls and found by the
+/// next sweep ([`POLL_SWEEP`]).
+const POLL_OVERLAP_US: i64 = 5_000_000;
+
+/// How long announcement rows are kept, in µs.
+const POLL_KEEP_US: i64 = 60_000_000;
+
+/// How often a polling process deletes rows older than [`POLL_KEEP_US`].
+const POLL_PURGE: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// How often a polling process has every stream read its topics' heads
+/// again, so that an announcement the polls missed makes a push late by
+/// at most this, never lost.
+const POLL_SWEEP: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Read other processes' announcement rows every `interval` on one
+/// connection until it fails, passing them to `tx` (each row once: rows
+/// seen are remembered while they are within the overlap). Once reading,
+/// it first says [`Remote::Missed`]: whatever was announced before is
+/// unknown.
+async fn poll(
+    config: &tokio_postgres::Config,
+    tx: &mpsc::Sender<Remote>,
+    origin: u64,
+    bad: &AtomicU64,
+    interval: std::time::Duration,
+) -> Result<(), tokio_postgres::Error> {
+    let (client, connection) = config.connect(NoTls).await?;
+    let driver = tokio::spawn(connection);
+    // The connection's task ends with this function, whichever way.
+    let _stop = AbortOnDrop(driver);
+    let now: i64 = client
+        .query_one(
+            "SELECT (EXTRACT(EPOCH FROM clock_timestamp()) * 1000000)::BIGINT",
+            &[],
+        )
+        .await?
+        .try_get(0)?;
+    let read = client
+        .prepare("SELECT id, at, n FROM hub_announce WHERE at > $1 ORDER BY at")
+        .await?;
+    let purge = client
+        .prepare("DELETE FROM hub_announce WHERE at < $1")
+        .await?;
+    if tx.send(Remote::Missed).await.is_err() {
+        return Ok(());
+    }
+    let mut newest = now;
+    let mut seen: std::collections::HashMap<Vec<u8>, i64> = std::collections::HashMap::new();
+    let mut purged = tokio::time::Instant::now();
+    let mut swept = tokio::time::Instant::now();
+    loop {
+        tokio::time::sleep(interval).await;
+        for row in client.query(&read, &[&(newest - POLL_OVERLAP_US)]).await? {
+            let id: Vec<u8> = row.try_get(0)?;
+            let at: i64 = row.try_get(1)?;
+            let text: &str = row.try_get(2)?;
+            if seen.insert(id, at).is_some() {
+                continue;
+            }
+            newest = newest.max(at);
+            if !hand_over(text, tx, origin, bad).await {
+                return Ok(());
+            }
+        }
+        seen.retain(|_, at| *at > newest - POLL_OVERLAP_US);
+        if purged.elapsed() >= POLL_PURGE {
+            purged = tokio::time::Instant::now();
+            client.execute(&purge, &[&(newest - POLL_KEEP_US)]).await?;
+        }
+        if swept.elapsed() >= POLL_SWEEP {
+            swept = tokio::time::Instant::now();
+            if tx.send(Remote::Missed).await.is_err() {
+                return Ok(());
+            }
+        }
+    }
+}
+
+/// Aborts a task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<Result<(), tokio_postgres::Error>>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 #[cfg(test)]
@@ -829,6 +1011,13 @@ mod tests {
     use crate::clock::Clock;
     use crate::hub::{HubCore, Limits};
     use crate::testkit::TestPostgres;
+
+    fn options(pool_size: usize) -> PgOptions {
+        PgOptions {
+            pool_size,
+            ..PgOptions::default()
+        }
+    }
 
     async fn database() -> String {
         TestPostgres::shared()
@@ -839,7 +1028,7 @@ mod tests {
     }
 
     async fn open(url: &str, seed: u64) -> Arc<PgHubStore> {
-        PgHubStore::open(url, 4, &SharedRng::seeded(seed))
+        PgHubStore::open(url, &options(4), &SharedRng::seeded(seed))
             .await
             .expect("the store opens")
     }
@@ -859,7 +1048,7 @@ mod tests {
             .batch_execute("INSERT INTO hubsync_schema (version) VALUES (99)")
             .await
             .unwrap();
-        match PgHubStore::open(&url, 4, &SharedRng::seeded(4)).await {
+        match PgHubStore::open(&url, &options(4), &SharedRng::seeded(4)).await {
             Err(PgOpenError::NewerSchema { found: 99, known }) => {
                 assert_eq!(known, MIGRATIONS.len() as i32)
             }
@@ -897,7 +1086,7 @@ mod tests {
     async fn a_dropped_transaction_writes_nothing_and_its_connection_serves_again() {
         let url = database().await;
         // One connection, so the next transaction gets the dropped one's.
-        let store = PgHubStore::open(&url, 1, &SharedRng::seeded(1))
+        let store = PgHubStore::open(&url, &options(1), &SharedRng::seeded(1))
             .await
             .unwrap();
         let mut t = store.begin().await.unwrap();

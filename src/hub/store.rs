@@ -186,6 +186,12 @@ pub trait HubStore: Send + Sync + 'static {
         None
     }
 
+    /// Announcements this store received that were not announcements
+    /// (always 0 for a store no other process shares).
+    fn bad_announcements(&self) -> u64 {
+        0
+    }
+
     /// Bytes the store's data takes, when the store can say (for
     /// operators; sampled now and then, so it may be a little old).
     ///
