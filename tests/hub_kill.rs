@@ -11,8 +11,6 @@ use hubsync::testkit::{signing_key, TestPostgres, TestStore};
 use hubsync::transport::TcpConnector;
 use hubsync::wire::{ExpectedHead, PublishOutcome, TopicId};
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -33,38 +31,22 @@ impl Store {
     }
 }
 
-fn spawn_hub(store: &Store, listen: &str) -> (Child, String) {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_hubsync"));
-    cmd.args(["hub", "--listen", listen]);
-    match store {
-        Store::Dir(dir) => cmd.arg("--data").arg(dir.path()),
-        Store::Postgres(url) => cmd.args(["--store", url]),
-    };
-    let mut child = cmd
-        .args(["--device-rate", "1000000", "--device-burst", "1000000"])
-        .args(["--topic-rate", "1000000", "--topic-burst", "1000000"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn hubsync hub");
-    let stdout = child.stdout.take().expect("stdout");
-    let mut line = String::new();
-    BufReader::new(stdout)
-        .read_line(&mut line)
-        .expect("read the listening line");
-    let addr = line
-        .split_whitespace()
-        .nth(4)
-        .unwrap_or_else(|| panic!("unexpected first line: {line:?}"))
-        .to_string();
-    (child, format!("ws://{addr}"))
+impl Store {
+    /// `hubsync hub` on this store.
+    fn spawn_hub(&self) -> HubProcess {
+        match self {
+            Store::Dir(dir) => HubProcess::spawn(&["--data", &dir.path().to_string_lossy()]),
+            Store::Postgres(url) => HubProcess::spawn(&["--store", url]),
+        }
+    }
 }
 
 type Accepted = Arc<Mutex<BTreeMap<(String, u64), Vec<u8>>>>;
 
 async fn accepted_publishes_survive_sigkill(kind: TestStore) {
     let store = Store::new(kind).await;
-    let (mut child, url) = spawn_hub(&store, "127.0.0.1:0");
+    let mut hub = store.spawn_hub();
+    let url = hub.url();
     let accepted: Accepted = Arc::default();
     let mut workers = Vec::new();
     for w in 0..4u64 {
@@ -104,8 +86,7 @@ async fn accepted_publishes_survive_sigkill(kind: TestStore) {
     }
     // Let the storm run, then kill the hub mid-flight.
     tokio::time::sleep(Duration::from_millis(700)).await;
-    child.kill().expect("SIGKILL");
-    child.wait().unwrap();
+    hub.kill();
     for w in workers {
         w.await.unwrap();
     }
@@ -117,7 +98,8 @@ async fn accepted_publishes_survive_sigkill(kind: TestStore) {
     );
     eprintln!("accepted before SIGKILL: {}", accepted.len());
 
-    let (mut child, url) = spawn_hub(&store, "127.0.0.1:0");
+    let mut hub = store.spawn_hub();
+    let url = hub.url();
     let reader = HubClient::connect(
         &TcpConnector,
         &url,
@@ -172,9 +154,7 @@ async fn accepted_publishes_survive_sigkill(kind: TestStore) {
         }
     );
     // SIGTERM stops it cleanly with exit code 0.
-    let pid = child.id().to_string();
-    Command::new("kill").args(["-TERM", &pid]).status().unwrap();
-    let status = child.wait().unwrap();
+    let status = hub.terminate();
     assert!(status.success(), "hub exit status {status:?}");
 }
 

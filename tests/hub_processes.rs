@@ -247,49 +247,6 @@ async fn balancer_at(url: &str, backends: Vec<String>) -> String {
     url.to_string()
 }
 
-/// A hub process, killed when dropped (also when a test fails).
-struct HubProcess(std::process::Child);
-
-impl HubProcess {
-    fn kill(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-impl Drop for HubProcess {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
-
-/// `hubsync hub --store URL` behind the public URL `public`: the process
-/// and the address it listens on.
-fn spawn_hub(store: &str, public: &str) -> (HubProcess, String) {
-    use std::io::{BufRead, BufReader};
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_hubsync"))
-        .args(["hub", "--listen", "127.0.0.1:0", "--store", store])
-        .args(["--public-url", public])
-        .args(["--device-rate", "1000000", "--device-burst", "1000000"])
-        .args(["--topic-rate", "1000000", "--topic-burst", "1000000"])
-        .args(["--claimer-rate", "1000000", "--claimer-burst", "1000000"])
-        .args(["--target-rate", "1000000", "--target-burst", "1000000"])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .expect("spawn hubsync hub");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().expect("stdout"))
-        .read_line(&mut line)
-        .expect("the listening line");
-    let addr = line
-        .split_whitespace()
-        .nth(4)
-        .unwrap_or_else(|| panic!("unexpected first line: {line:?}"))
-        .to_string();
-    (HubProcess(child), addr)
-}
-
 /// Every message in `d`'s inbox of `g`, once `want` have arrived (within
 /// 30 s); fails on any message held twice.
 async fn inbox_of(d: &TestDevice, g: GroupId, want: usize) -> Vec<InboxMessage> {
@@ -321,10 +278,10 @@ async fn devices_on_two_processes_lose_nothing_when_one_is_killed() {
     let lb = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let public = format!("ws://{}", lb.local_addr().unwrap());
     drop(lb);
-    let (mut first, first_addr) = spawn_hub(&store, &public);
-    let (mut second, second_addr) = spawn_hub(&store, &public);
+    let mut first = HubProcess::spawn(&["--store", &store, "--public-url", &public]);
+    let mut second = HubProcess::spawn(&["--store", &store, "--public-url", &public]);
     // The balancer takes the public address now free again.
-    let url = balancer_at(&public, vec![first_addr, second_addr]).await;
+    let url = balancer_at(&public, vec![first.addr.clone(), second.addr.clone()]).await;
     let u = vec![url];
     let devices = [
         TestDevice::open(&u).await.unwrap(),

@@ -177,3 +177,68 @@ pub async fn race_on_head_one(clients: &[hubsync::client::HubClient]) -> Vec<u64
     }
     winners
 }
+
+/// A real `hubsync hub` process, killed when dropped (also when a test
+/// fails).
+pub struct HubProcess {
+    child: std::process::Child,
+    /// The address it listens on, from its first line on stdout.
+    pub addr: String,
+}
+
+impl HubProcess {
+    /// Start `hubsync hub --listen 127.0.0.1:0` with `args` (its store, its
+    /// public URL), with publish and claim rates too high to matter, and
+    /// wait for the line that says where it listens.
+    pub fn spawn(args: &[&str]) -> HubProcess {
+        use std::io::{BufRead, BufReader};
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_hubsync"))
+            .args(["hub", "--listen", "127.0.0.1:0"])
+            .args(args)
+            .args(["--device-rate", "1000000", "--device-burst", "1000000"])
+            .args(["--topic-rate", "1000000", "--topic-burst", "1000000"])
+            .args(["--claimer-rate", "1000000", "--claimer-burst", "1000000"])
+            .args(["--target-rate", "1000000", "--target-burst", "1000000"])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("spawn hubsync hub");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().expect("stdout"))
+            .read_line(&mut line)
+            .expect("the listening line");
+        let addr = line
+            .split_whitespace()
+            .nth(4)
+            .unwrap_or_else(|| panic!("unexpected first line: {line:?}"))
+            .to_string();
+        HubProcess { child, addr }
+    }
+
+    /// `ws://` and the address it listens on.
+    pub fn url(&self) -> String {
+        format!("ws://{}", self.addr)
+    }
+
+    /// SIGKILL, and wait for it to be gone.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// SIGTERM, and its exit status.
+    pub fn terminate(&mut self) -> std::process::ExitStatus {
+        let pid = self.child.id().to_string();
+        std::process::Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .expect("kill -TERM");
+        self.child.wait().expect("the hub's exit status")
+    }
+}
+
+impl Drop for HubProcess {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
