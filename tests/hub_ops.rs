@@ -1274,6 +1274,16 @@ async fn the_metrics_endpoint_counts_publishes_and_refusals_and_shrugs_off_garba
         matches!(limited, Err(ClientError::Hub(HubError::RateLimited { .. }))),
         "{limited:?}"
     );
+    // A delivery pushed and acknowledged.
+    let sub = hub.client(&signing_key(2)).await.unwrap();
+    sub.subscribe(&TopicId::from("m2"), None).await.unwrap();
+    let mut rx = sub.take_pushes().unwrap();
+    sub.receive().await.unwrap();
+    c.publish(mailbox("m2", 3, b"three")).await.unwrap();
+    let Some(Push::Delivery(d)) = next_push(&mut rx).await else {
+        panic!("no delivery")
+    };
+    assert_eq!(sub.ack(vec![d.frame_ref()]).await.unwrap(), 1);
 
     // A stranger's garbage, a wrong path and a request that never ends
     // are answered (or cut) without effect on the endpoint.
@@ -1307,7 +1317,7 @@ async fn the_metrics_endpoint_counts_publishes_and_refusals_and_shrugs_off_garba
     let text = http(addr, b"GET /metrics HTTP/1.1\r\nhost: x\r\n\r\n").await;
     assert!(text.starts_with("HTTP/1.1 200 OK"), "{text}");
     assert!(
-        text.contains("hubsync_hub_publishes_total{outcome=\"accepted\"} 1\n"),
+        text.contains("hubsync_hub_publishes_total{outcome=\"accepted\"} 2\n"),
         "{text}"
     );
     assert!(
@@ -1329,7 +1339,9 @@ async fn the_metrics_endpoint_counts_publishes_and_refusals_and_shrugs_off_garba
     };
     assert!(count("hubsync_hub_store_commit_seconds_count ") >= 1);
     assert!(count("hubsync_hub_store_bytes ") > 0, "sled says its size");
-    assert_eq!(count("hubsync_hub_receive_streams "), 0, "nobody receives");
+    assert_eq!(count("hubsync_hub_receive_streams "), 1);
+    assert_eq!(count("hubsync_hub_deliveries_pushed_total "), 1);
+    assert_eq!(count("hubsync_hub_deliveries_acked_total "), 1);
     assert!(count("hubsync_hub_store_durable_wait_seconds_count ") >= 1);
     hub.stop().await;
 }

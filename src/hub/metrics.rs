@@ -103,6 +103,12 @@ pub fn prometheus_text(m: &HubMetrics) -> String {
         m.deliveries_pushed,
     );
     t.one(
+        "deliveries_acked_total",
+        Counter,
+        "Pushed deliveries that devices acknowledged.",
+        m.deliveries_acked,
+    );
+    t.one(
         "frames_missed_total",
         Counter,
         "Times a receive stream found log frames trimmed before it reached them.",

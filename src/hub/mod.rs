@@ -149,6 +149,9 @@ pub struct HubMetrics {
     pub history_missing: u64,
     /// Deliveries pushed on receive streams.
     pub deliveries_pushed: u64,
+    /// Pushed deliveries that devices acknowledged (each counted once, on
+    /// the stream that pushed it).
+    pub deliveries_acked: u64,
     /// Store flushes (group commit: far fewer than accepted publishes).
     pub flushes: u64,
     /// Log frames trimmed.
@@ -271,6 +274,7 @@ struct ServerCounters {
     open: AtomicU64,
     bad_frames: AtomicU64,
     pushed: AtomicU64,
+    acked: AtomicU64,
     unauthenticated: AtomicU64,
     unauthenticated_refused: AtomicU64,
     auth_timeouts: AtomicU64,
@@ -581,6 +585,7 @@ impl Hub {
             conflict_retries: r(&c.conflict_retries),
             history_missing: r(&c.history_missing),
             deliveries_pushed: r(&s.pushed),
+            deliveries_acked: r(&s.acked),
             flushes: self.shared.core.store().flushes(),
             trimmed: r(&c.trimmed),
             unauthenticated: r(&s.unauthenticated),

@@ -583,6 +583,10 @@ impl Conn {
                         Some(stream) => stream.ack(&frames),
                         None => 0,
                     };
+                    self.shared
+                        .counters
+                        .acked
+                        .fetch_add(u64::from(removed), std::sync::atomic::Ordering::Relaxed);
                     Ok(Response::Acked { removed })
                 };
                 self.respond(id, result).await
