@@ -4,6 +4,7 @@
 //! epochs, epoch authenticators, ledgers, cursors, events, hub logs.
 
 use hubsync::client::{ClientError, Push};
+use hubsync::device::frames::ReinviteRequest;
 use hubsync::device::identity::DeviceIdentity;
 use hubsync::device::lane::{SkipReason, LOOPBACK_HUB};
 use hubsync::device::ledger::{EntryType, LedgerError};
@@ -2865,6 +2866,110 @@ async fn a_key_package_a_restored_hub_brings_back_is_replaced_before_anyone_clai
         "no Welcome built on a package b had no keys for"
     );
     message_reaches(&a, &[&wb], g2, b"b is in").await;
+}
+
+/// A hub restored from a backup hands out a key package its device used
+/// since, before the device is back on that hub: the Welcome built on it
+/// cannot be read while the roster lists the joiner. The joiner asks its
+/// inviter to invite it again; the inviter removes the dead leaf, invites
+/// it with a live package, and the joiner is in. Requests the inviter may
+/// not act on (another's signature, no Welcome of its own) change nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_joiner_whose_welcome_names_a_dead_key_package_is_invited_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let hub = hub_at(dir.path(), "127.0.0.1:0").await;
+    let addr = hub.addr().to_string();
+    let u = vec![hub.url().to_string()];
+    let a = TestDevice::open(&u).await.unwrap();
+    let mut ob = device_options(&u);
+    ob.manager.key_packages = 2;
+    let mut b = TestDevice::open_with(ob).await.unwrap();
+    b.ready_for_invites(WAIT).await.unwrap();
+
+    hub.stop().await;
+    let copy = tempfile::tempdir().unwrap();
+    copy_dir(dir.path(), copy.path());
+    let hub = hub_at(dir.path(), &addr).await;
+    let wb = Watch::new(&b);
+    // b's first package is claimed, and b joins with it.
+    group_of(&a, &[(&b, &wb)], &u).await;
+
+    // The hub comes back from the copy, which still holds that package,
+    // and a invites b again before b is back.
+    let b_id = b.id();
+    b.close().await;
+    hub.stop().await;
+    let hub = hub_at(copy.path(), &addr).await;
+    let g2 = a.create_group(&u).await.unwrap();
+    a.invite(g2, b_id).await.unwrap();
+    b.reopen().await.unwrap();
+    let wb = Watch::new(&b);
+    wb.until(
+        "the Welcome on the dead package refused",
+        |ev| matches!(ev, Event::WelcomeRefused { group: Some(g), .. } if *g == g2),
+    )
+    .await;
+    wb.until(
+        "joined after being invited again",
+        |ev| matches!(ev, Event::GroupJoined { group, .. } if *group == g2),
+    )
+    .await;
+    assert_eq!(b.stats().reinvites_asked, 1);
+    assert_eq!(a.stats().reinvites_answered, 1);
+    message_reaches(&a, &[&wb], g2, b"b is in").await;
+    let (epoch, auth) = agree(&[&a, &b], g2).await;
+    let mut members = a.members(g2).await.unwrap();
+    members.sort();
+    let mut want = vec![a.id(), b.id()];
+    want.sort();
+    assert_eq!(members, want);
+
+    // A stranger asks a to invite b again (signed by the stranger), and
+    // to invite the stranger itself (a keeps no Welcome for it): both
+    // refused, nothing committed.
+    let stranger = signing_key(4242);
+    let client = hub.client(&stranger).await.unwrap();
+    let forged = ReinviteRequest {
+        group: g2,
+        joiner: b.id(),
+        inviter: a.id(),
+        welcome_digest: [0; 32],
+        signature: Vec::new(),
+    }
+    .sign(&stranger);
+    let own = ReinviteRequest {
+        joiner: DeviceId(stranger.verifying_key().to_bytes()),
+        ..forged.clone()
+    }
+    .sign(&stranger);
+    for (i, req) in [forged, own].into_iter().enumerate() {
+        let p = Publish {
+            topic: TopicId::mailbox(&a.id()),
+            publish_id: PublishId([i as u8 + 1; 32]),
+            class: RetentionClass::Mailbox,
+            expected_head: ExpectedHead::Unconditional,
+            replay_only: false,
+            retention_secs: None,
+            payload: req.encode(),
+            writer: None,
+        };
+        assert!(matches!(
+            client.publish(p).await.unwrap(),
+            PublishOutcome::Accepted { .. }
+        ));
+    }
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while a.stats().reinvites_refused < 2 {
+        assert!(tokio::time::Instant::now() < deadline, "both refused");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(a.stats().reinvites_answered, 1);
+    assert_eq!(
+        agree(&[&a, &b], g2).await,
+        (epoch, auth),
+        "nothing committed"
+    );
 }
 
 /// Only a device replaces its own pool: a stranger's replace touches only

@@ -470,6 +470,16 @@ fn all_faults_another_frame_at_an_app_cursor_is_a_rewind() {
     holds_with_all_faults(1105);
 }
 
+/// Seed 1256: hub0 came back from an older copy holding a key package
+/// dev0 had used since, and an invite claimed it before dev0's link
+/// replaced its pool there; dev0 could not read the Welcome while the
+/// roster listed it. The joiner now asks its inviter to invite it again,
+/// and the inviter replaces the dead leaf.
+#[test]
+fn all_faults_a_joiner_on_a_dead_key_package_is_invited_again() {
+    holds_with_all_faults(1256);
+}
+
 fn holds_with_all_faults(seed: u64) -> serde_json::Value {
     let r = run_in_process(seed, 30, "all");
     assert_eq!(r["violations"], serde_json::json!([]), "seed {seed}");

@@ -193,11 +193,15 @@ impl GroupPeerManager {
         // answered in a few round trips' time, not one per invitee), but
         // not all at once: a thousand claims in flight would only queue at
         // the hub's rate limits.
-        let kps: Vec<KeyPackage> =
-            futures::stream::iter(unique.iter().map(|d| self.claim_key_package(&rec, *d)))
-                .buffered(CLAIMS_IN_FLIGHT)
-                .try_collect()
-                .await?;
+        let kps: Vec<KeyPackage> = futures::stream::iter(
+            unique
+                .iter()
+                .copied()
+                .map(|d| self.claim_key_package(&rec, d)),
+        )
+        .buffered(CLAIMS_IN_FLIGHT)
+        .try_collect()
+        .await?;
         self.commit_plan(
             group,
             Plan {

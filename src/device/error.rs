@@ -40,6 +40,21 @@ pub enum DeviceError {
         /// Why the rejoin did not help.
         reason: String,
     },
+    /// A Welcome named a key package this device holds no keys for (a
+    /// hub restored from a backup handed out one claimed and used since),
+    /// so it cannot join from it. The device asks its inviter to invite it
+    /// again ([`crate::device::frames::ReinviteRequest`]); nothing to do.
+    #[error("the Welcome to group {group} names a key package this device no longer holds; asked {inviter:?} to invite it again")]
+    KeyPackageGone {
+        /// The group.
+        group: GroupId,
+        /// Who sent the Welcome.
+        inviter: crate::wire::DeviceId,
+        /// SHA-256 of the MLS Welcome.
+        welcome_digest: [u8; 32],
+        /// The group's hubs, as the Welcome said.
+        hubs: Vec<String>,
+    },
     /// The device was stopped.
     #[error("the device is stopped")]
     Stopped,

@@ -1,5 +1,6 @@
-//! What devices put inside hub payloads: app messages (inside MLS) and
-//! Welcome envelopes (beside MLS, signed by the inviter).
+//! What devices put inside hub payloads: app messages (inside MLS),
+//! Welcome envelopes (beside MLS, signed by the inviter), and a joiner's
+//! request to be invited again (beside MLS, signed by the joiner).
 
 use super::records::GroupId;
 use crate::wire::DeviceId;
@@ -99,6 +100,80 @@ impl WelcomeEnvelope {
     }
 }
 
+/// The first bytes of a [`ReinviteRequest`] in a device's Welcome mailbox,
+/// where everything else is a [`WelcomeEnvelope`].
+pub const REINVITE_MAGIC: &[u8] = b"hubsync/reinvite/v1\0";
+
+/// A joiner's request to its inviter: "the Welcome you sent me names a key
+/// package I hold no keys for; invite me again". A hub restored from a
+/// backup hands out key packages that were claimed and used since; a
+/// Welcome built on one can never be read, while the group's roster lists
+/// its member. Posted to the inviter's Welcome mailbox, signed by the
+/// joiner's device key; the inviter acts on it only for the very Welcome
+/// it keeps for that joiner (docs/protocol.md section 26).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReinviteRequest {
+    /// The group the Welcome was for.
+    pub group: GroupId,
+    /// Who asks: the device the Welcome was for.
+    pub joiner: DeviceId,
+    /// Whom it asks: the Welcome's inviter.
+    pub inviter: DeviceId,
+    /// SHA-256 of the MLS Welcome it could not read.
+    pub welcome_digest: [u8; 32],
+    /// The joiner's ed25519 signature over [`ReinviteRequest::signed_bytes`].
+    pub signature: Vec<u8>,
+}
+
+impl ReinviteRequest {
+    /// The bytes the joiner signs: everything but the signature.
+    pub fn signed_bytes(&self) -> Vec<u8> {
+        let mut h = Sha256::new();
+        h.update(REINVITE_MAGIC);
+        h.update(self.group.0);
+        h.update(self.joiner.0);
+        h.update(self.inviter.0);
+        h.update(self.welcome_digest);
+        h.finalize().to_vec()
+    }
+
+    /// Sign as `key` (which must be `joiner`'s).
+    pub fn sign(mut self, key: &SigningKey) -> Self {
+        self.signature = key.sign(&self.signed_bytes()).to_bytes().to_vec();
+        self
+    }
+
+    /// Whether `bytes` are a request rather than a Welcome envelope.
+    pub fn is_one(bytes: &[u8]) -> bool {
+        bytes.starts_with(REINVITE_MAGIC)
+    }
+
+    /// Decode and check the joiner's signature.
+    ///
+    /// # Errors
+    /// [`EnvelopeError`] naming what is wrong.
+    pub fn open(bytes: &[u8]) -> Result<Self, EnvelopeError> {
+        let body = bytes
+            .strip_prefix(REINVITE_MAGIC)
+            .ok_or_else(|| EnvelopeError::Malformed("not a reinvite request".into()))?;
+        let req: ReinviteRequest =
+            postcard::from_bytes(body).map_err(|e| EnvelopeError::Malformed(e.to_string()))?;
+        let key =
+            VerifyingKey::from_bytes(&req.joiner.0).map_err(|_| EnvelopeError::BadSignature)?;
+        let sig = Signature::from_slice(&req.signature).map_err(|_| EnvelopeError::BadSignature)?;
+        key.verify(&req.signed_bytes(), &sig)
+            .map_err(|_| EnvelopeError::BadSignature)?;
+        Ok(req)
+    }
+
+    /// Encode: [`REINVITE_MAGIC`], then the request.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = REINVITE_MAGIC.to_vec();
+        out.extend(postcard::to_allocvec(self).unwrap_or_default());
+        out
+    }
+}
+
 /// SHA-256 of `bytes`.
 pub fn digest(bytes: &[u8]) -> [u8; 32] {
     Sha256::digest(bytes).into()
@@ -148,6 +223,45 @@ mod tests {
         );
         assert!(matches!(
             WelcomeEnvelope::open(&[1, 2]),
+            Err(EnvelopeError::Malformed(_))
+        ));
+    }
+
+    #[test]
+    fn a_reinvite_request_is_the_joiners_and_names_one_welcome() {
+        let joiner = SigningKey::from_bytes(&[5; 32]);
+        let other = SigningKey::from_bytes(&[6; 32]);
+        let req = ReinviteRequest {
+            group: GroupId([1; 32]),
+            joiner: DeviceId(joiner.verifying_key().to_bytes()),
+            inviter: DeviceId([7; 32]),
+            welcome_digest: [8; 32],
+            signature: vec![],
+        }
+        .sign(&joiner);
+        let bytes = req.encode();
+        assert!(ReinviteRequest::is_one(&bytes));
+        assert_eq!(ReinviteRequest::open(&bytes).unwrap(), req);
+        // Signed by anyone but the joiner it names: refused.
+        let forged = ReinviteRequest {
+            signature: vec![],
+            ..req.clone()
+        }
+        .sign(&other);
+        assert_eq!(
+            ReinviteRequest::open(&forged.encode()),
+            Err(EnvelopeError::BadSignature)
+        );
+        let mut moved = req.clone();
+        moved.welcome_digest = [9; 32];
+        assert_eq!(
+            ReinviteRequest::open(&moved.encode()),
+            Err(EnvelopeError::BadSignature)
+        );
+        // A Welcome envelope is not one.
+        assert!(!ReinviteRequest::is_one(&[1, 2, 3]));
+        assert!(matches!(
+            ReinviteRequest::open(&[1, 2, 3]),
             Err(EnvelopeError::Malformed(_))
         ));
     }

@@ -159,6 +159,16 @@ pub struct DeviceStats {
     /// Subscriptions a hub refused (each also an
     /// [`Event::SubscriptionRefused`], for the newest of a burst).
     pub subscriptions_refused: u64,
+    /// Welcomes this device could not read because they named a key
+    /// package it no longer held, for each of which it asked the inviter to
+    /// invite it again.
+    pub reinvites_asked: u64,
+    /// Requests to be invited again that this device, as the inviter,
+    /// acted on (removed the joiner's dead leaf and invited it again).
+    pub reinvites_answered: u64,
+    /// Requests to be invited again that this device refused: not its
+    /// Welcome, not signed by the joiner, or no longer its to answer.
+    pub reinvites_refused: u64,
 }
 
 impl DeviceStats {
@@ -168,7 +178,7 @@ impl DeviceStats {
     pub fn prometheus_text(&self) -> String {
         use crate::prom::{Kind::Counter, Kind::Gauge, PromText};
         let mut t = PromText::new("hubsync_device_");
-        let counters: [(&str, &str, u64); 12] = [
+        let counters: [(&str, &str, u64); 15] = [
             (
                 "delivered_total",
                 "App messages delivered to the app.",
@@ -209,6 +219,21 @@ impl DeviceStats {
                 "key_packages_replaced_total",
                 "Times a hub's pool of this device's key packages was replaced.",
                 self.key_packages_replaced,
+            ),
+            (
+                "reinvites_asked_total",
+                "Welcomes on a key package this device no longer held, each answered by asking to be invited again.",
+                self.reinvites_asked,
+            ),
+            (
+                "reinvites_answered_total",
+                "Requests to be invited again that this device acted on.",
+                self.reinvites_answered,
+            ),
+            (
+                "reinvites_refused_total",
+                "Requests to be invited again that this device refused.",
+                self.reinvites_refused,
             ),
             (
                 "pull_failures_total",
@@ -253,6 +278,9 @@ pub(super) struct Counters {
     pub pull_failures: AtomicU64,
     pub receive_failures: AtomicU64,
     pub subscriptions_refused: AtomicU64,
+    pub reinvites_asked: AtomicU64,
+    pub reinvites_answered: AtomicU64,
+    pub reinvites_refused: AtomicU64,
 }
 
 /// The topics a group's peers read.
@@ -589,6 +617,9 @@ impl GroupPeerManager {
             pull_failures: r(&c.pull_failures),
             receive_failures: r(&c.receive_failures),
             subscriptions_refused: r(&c.subscriptions_refused),
+            reinvites_asked: r(&c.reinvites_asked),
+            reinvites_answered: r(&c.reinvites_answered),
+            reinvites_refused: r(&c.reinvites_refused),
             outbox_owed: self.shared.outbox.owed(),
         }
     }
@@ -776,10 +807,31 @@ impl GroupPeerManager {
                     _ = stop.cancelled() => break,
                     d = rx.recv() => match d { Some(d) => d, None => break },
                 };
+                if super::frames::ReinviteRequest::is_one(&d.payload) {
+                    let frame = d.frame_ref();
+                    me.answer_reinvite_in_background(d.payload);
+                    link.ack(vec![frame]).await;
+                    continue;
+                }
                 match me.accept_welcome(&d.payload).await {
                     Ok(()) => {
                         link.ack(vec![d.frame_ref()]).await;
                         restock.notify_one();
+                    }
+                    Err(DeviceError::KeyPackageGone {
+                        group,
+                        inviter,
+                        welcome_digest,
+                        hubs,
+                    }) => {
+                        me.emit(Event::WelcomeRefused {
+                            group: Some(group),
+                            reason: "the Welcome names a key package this device no longer holds; \
+                                     asked the inviter to invite it again"
+                                .into(),
+                        });
+                        me.ask_reinvite_in_background(group, inviter, welcome_digest, hubs);
+                        link.ack(vec![d.frame_ref()]).await;
                     }
                     // A store failure may pass: leave it unacked so the hub
                     // delivers it again.
@@ -1152,7 +1204,7 @@ impl GroupPeerManager {
     }
 
     /// Keep `pool` key packages on the hub behind `link`, plus a last resort.
-    async fn restock_key_packages(&self, link: &HubLink) -> Result<(), DeviceError> {
+    pub(super) async fn restock_key_packages(&self, link: &HubLink) -> Result<(), DeviceError> {
         // A Welcome goes to a mailbox, which only reaches current
         // subscribers: be subscribed before anyone can claim a package.
         link.flush_subscriptions()

@@ -25,6 +25,7 @@ pub mod provider;
 pub mod records;
 pub mod recovery;
 pub mod registry;
+mod reinvite;
 pub mod rejoin;
 pub mod storage;
 pub mod topics;

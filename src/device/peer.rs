@@ -1036,7 +1036,15 @@ impl GroupPeerManager {
         };
         let op = OpProvider::new(self.shared.registry.provider().clone());
         let staged = StagedWelcome::new_from_welcome(&op, &mls::join_config(), welcome, None)
-            .map_err(|e| DeviceError::Mls(e.to_string()))?;
+            .map_err(|e| match e {
+                WelcomeError::NoMatchingKeyPackage => DeviceError::KeyPackageGone {
+                    group: env.group,
+                    inviter: env.inviter,
+                    welcome_digest: super::frames::digest(&env.welcome),
+                    hubs: env.hubs.clone(),
+                },
+                e => DeviceError::Mls(e.to_string()),
+            })?;
         // Every leaf is its device: credential identity and signature key
         // are the same ed25519 key.
         for m in staged.members() {
