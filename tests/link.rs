@@ -298,6 +298,58 @@ async fn a_rate_limited_burst_of_subscriptions_is_paced_and_completes() {
     l.stop().await;
 }
 
+/// Frames trimmed from a log (here by depth) before the receive stream
+/// pushed them are reported on the link, not only logged: the pushes after
+/// them move on, so the device must hear of the gap.
+#[tokio::test]
+async fn frames_trimmed_before_they_were_pushed_are_reported() {
+    let hub = TestHub::start_with(|c| {
+        c.limits = Limits::unthrottled();
+        c.limits.max_log_depth = 2;
+    })
+    .await
+    .unwrap();
+    let first = link(hub.url(), 1, fast());
+    let mut rx = first.subscribe(TopicId::from("t"), None);
+    assert!(first.wait_connected(WAIT).await);
+    first.flush_subscriptions().await.unwrap();
+    let publisher = hub.client(&signing_key(9)).await.unwrap();
+    let p = |i: u64| log("t", i, ExpectedHead::Unconditional, &[i as u8]);
+    publisher.publish(p(1)).await.unwrap();
+    let d = recv(&mut rx).await;
+    first.ack(vec![d.frame_ref()]).await;
+    // The hub saves the cursor a moment after the ack.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    first.stop().await;
+
+    // Five more while the device is away: the log keeps the last two.
+    for i in 2..=6 {
+        publisher.publish(p(i)).await.unwrap();
+    }
+    let again = link(hub.url(), 1, fast());
+    let mut missed = again.frames_missed();
+    let mut rx = again.subscribe(TopicId::from("t"), None);
+    assert_eq!(recv(&mut rx).await.seq, 5);
+    assert_eq!(recv(&mut rx).await.seq, 6);
+    let log = tokio::time::timeout(WAIT, missed.wait_for(|l| l.total >= 1))
+        .await
+        .expect("reported in time")
+        .unwrap()
+        .clone();
+    assert_eq!(
+        log.recent.back(),
+        Some(&(
+            TopicId::from("t"),
+            HubError::FramesMissed {
+                topic: TopicId::from("t"),
+                after_seq: 1,
+                through_seq: 4
+            }
+        ))
+    );
+    again.stop().await;
+}
+
 /// Device 1 subscribed to `topic` at the hub in an earlier connection (say,
 /// before a restart), and no consumer has asked for it on a link yet.
 async fn subscribed_earlier(hub: &TestHub, topic: &str) {

@@ -314,6 +314,8 @@ struct Shared {
     /// Subscriptions the hub refused, in order, newest last (see
     /// [`HubLink::refused_subscriptions`]); at most [`MAX_REFUSALS_KEPT`].
     refusals: watch::Sender<RefusalLog>,
+    /// `FramesMissed` notices of the receive stream.
+    missed: watch::Sender<RefusalLog>,
     conn: watch::Sender<Conn>,
     state: Mutex<State>,
     /// Serialises hub subscribe/unsubscribe requests, so the last desired
@@ -921,7 +923,16 @@ async fn session(
                 Some(Push::ReceiveEnded(e)) => {
                     return SessionEnd::Lost(format!("receive stream ended: {e}"))
                 }
-                Some(Push::Error(e)) => tracing::warn!(error = %e, "hub reported an error"),
+                Some(Push::Error(e)) => match &e {
+                    // Frames trimmed from a log before the stream pushed
+                    // them: gone from this hub. The pushes after them move
+                    // on, so the device must hear of it here.
+                    HubError::FramesMissed { topic, .. } => {
+                        let topic = topic.clone();
+                        shared.missed.send_modify(|log| log.push(topic, e));
+                    }
+                    _ => tracing::warn!(error = %e, "hub reported an error"),
+                },
             },
             ready = maybe(&mut drain) => shared.drained(ready),
             _ = wake => {}
@@ -992,8 +1003,10 @@ async fn subscription_worker(shared: Arc<Shared>) {
 /// How many refused subscriptions a link keeps for its device to read.
 pub const MAX_REFUSALS_KEPT: usize = 64;
 
-/// Subscriptions a hub refused, newest last: the device turns each into an
-/// event, so a refusal reaches the app, not only the log.
+/// What a hub reported about topics, newest last: subscriptions it refused
+/// ([`HubLink::refused_subscriptions`]), or frames trimmed before the
+/// receive stream pushed them ([`HubLink::frames_missed`]). The device
+/// turns each into an event, so it reaches the app, not only the log.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct RefusalLog {
     /// Refusals since the link started (also those no longer kept).
@@ -1067,6 +1080,7 @@ impl HubLink {
             store_id,
             connections: watch::Sender::new(0),
             refusals: watch::Sender::new(RefusalLog::default()),
+            missed: watch::Sender::new(RefusalLog::default()),
             conn,
             state: Mutex::new(State::default()),
             sub_lock: tokio::sync::Mutex::new(()),
@@ -1220,6 +1234,13 @@ impl HubLink {
     /// changes each time the hub refuses one.
     pub fn refused_subscriptions(&self) -> watch::Receiver<RefusalLog> {
         self.shared().refusals.subscribe()
+    }
+
+    /// The hub's `FramesMissed` notices on this link's receive streams:
+    /// frames of a topic trimmed (by log depth or retention) before they
+    /// were pushed, which no hub read here can bring back.
+    pub fn frames_missed(&self) -> watch::Receiver<RefusalLog> {
+        self.shared().missed.subscribe()
     }
 
     /// Make every subscribe and unsubscribe requested so far take effect at

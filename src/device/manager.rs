@@ -22,7 +22,7 @@ use super::topics;
 use crate::clock::Clock;
 use crate::rng::SharedRng;
 use crate::transport::Connector;
-use crate::wire::{Publish, PublishOutcome, TopicId};
+use crate::wire::{HubError, Publish, PublishOutcome, TopicId};
 use futures::future::BoxFuture;
 use openmls::prelude::{KeyPackageBundle, KeyPackageRef};
 use openmls_traits::storage::StorageProvider as _;
@@ -169,6 +169,11 @@ pub struct DeviceStats {
     /// Requests to be invited again that this device refused: not its
     /// Welcome, not signed by the joiner, or no longer its to answer.
     pub reinvites_refused: u64,
+    /// Notices from hubs that frames of a topic this device follows were
+    /// trimmed (by log depth or retention) before they were pushed (each
+    /// also an [`Event::AppFramesMissed`] when the topic is a group's app
+    /// topic).
+    pub frames_missed_notices: u64,
 }
 
 impl DeviceStats {
@@ -178,7 +183,7 @@ impl DeviceStats {
     pub fn prometheus_text(&self) -> String {
         use crate::prom::{Kind::Counter, Kind::Gauge, PromText};
         let mut t = PromText::new("hubsync_device_");
-        let counters: [(&str, &str, u64); 15] = [
+        let counters: [(&str, &str, u64); 16] = [
             (
                 "delivered_total",
                 "App messages delivered to the app.",
@@ -236,6 +241,11 @@ impl DeviceStats {
                 self.reinvites_refused,
             ),
             (
+                "frames_missed_notices_total",
+                "Notices from hubs that frames were trimmed before they were pushed.",
+                self.frames_missed_notices,
+            ),
+            (
                 "pull_failures_total",
                 "Reads of a group's commit log that failed.",
                 self.pull_failures,
@@ -281,6 +291,7 @@ pub(super) struct Counters {
     pub reinvites_asked: AtomicU64,
     pub reinvites_answered: AtomicU64,
     pub reinvites_refused: AtomicU64,
+    pub frames_missed_notices: AtomicU64,
 }
 
 /// The topics a group's peers read.
@@ -620,6 +631,7 @@ impl GroupPeerManager {
             reinvites_asked: r(&c.reinvites_asked),
             reinvites_answered: r(&c.reinvites_answered),
             reinvites_refused: r(&c.reinvites_refused),
+            frames_missed_notices: r(&c.frames_missed_notices),
             outbox_owed: self.shared.outbox.owed(),
         }
     }
@@ -663,6 +675,39 @@ impl GroupPeerManager {
         self.shared.directory.track(&link);
         self.spawn_link_duties(link.clone());
         link
+    }
+
+    /// Until the device stops, hand `count` how many entries a link's topic
+    /// log (`rx`) gained each time it changes (those no longer kept too),
+    /// and `each` every new entry still kept.
+    fn follow_topic_log(
+        &self,
+        mut rx: watch::Receiver<super::link::RefusalLog>,
+        count: impl Fn(&Self, u64) + Send + 'static,
+        each: impl Fn(&Self, &TopicId, &HubError) + Send + 'static,
+    ) {
+        let me = self.clone();
+        let stop = self.shared.shutdown.clone();
+        self.shared.tasks.spawn(async move {
+            let mut seen = 0u64;
+            loop {
+                let log = rx.borrow_and_update().clone();
+                let new = log.total.saturating_sub(seen);
+                seen = log.total;
+                count(&me, new);
+                // Those older than the kept ones are counted only.
+                let kept = usize::try_from(new)
+                    .unwrap_or(usize::MAX)
+                    .min(log.recent.len());
+                for (topic, error) in log.recent.iter().skip(log.recent.len() - kept) {
+                    each(&me, topic, error);
+                }
+                tokio::select! {
+                    _ = stop.cancelled() => break,
+                    r = rx.changed() => if r.is_err() { break },
+                }
+            }
+        });
     }
 
     /// The group whose peers read `topic` (its commit, app or rendezvous
@@ -723,38 +768,57 @@ impl GroupPeerManager {
         });
         // A subscription the hub refused reaches the app as an event (and a
         // counter), not only the log.
-        let me = self.clone();
-        let stop = self.shared.shutdown.clone();
-        let mut refusals = link.refused_subscriptions();
         let url = link.url().to_string();
-        self.shared.tasks.spawn(async move {
-            let mut seen = 0u64;
-            loop {
-                let log = refusals.borrow_and_update().clone();
-                let new = log.total.saturating_sub(seen);
-                seen = log.total;
+        self.follow_topic_log(
+            link.refused_subscriptions(),
+            |me, new| {
                 me.shared
                     .counters
                     .subscriptions_refused
                     .fetch_add(new, Ordering::Relaxed);
-                // Those older than the kept ones are counted only.
-                let kept = usize::try_from(new)
-                    .unwrap_or(usize::MAX)
-                    .min(log.recent.len());
-                for (topic, error) in log.recent.iter().skip(log.recent.len() - kept) {
-                    me.emit(Event::SubscriptionRefused {
+            },
+            move |me, topic, error| {
+                me.emit(Event::SubscriptionRefused {
+                    hub: url.clone(),
+                    group: me.group_of_topic(topic),
+                    topic: topic.clone(),
+                    error: error.clone(),
+                });
+            },
+        );
+        // So do app frames a hub trimmed before its stream pushed them: the
+        // pushes after them move the group's cursor there past them.
+        let url = link.url().to_string();
+        self.follow_topic_log(
+            link.frames_missed(),
+            |me, new| {
+                me.shared
+                    .counters
+                    .frames_missed_notices
+                    .fetch_add(new, Ordering::Relaxed);
+            },
+            move |me, topic, error| {
+                let HubError::FramesMissed {
+                    after_seq,
+                    through_seq,
+                    ..
+                } = error
+                else {
+                    return;
+                };
+                let group = lock(&me.shared.topics)
+                    .iter()
+                    .find_map(|(g, t)| t.borrow().app.contains(topic).then_some(*g));
+                if let Some(group) = group {
+                    tracing::warn!(%group, hub = url, "app frames trimmed before they were pushed");
+                    me.emit(Event::AppFramesMissed {
+                        group,
                         hub: url.clone(),
-                        group: me.group_of_topic(topic),
-                        topic: topic.clone(),
-                        error: error.clone(),
+                        missed: through_seq.saturating_sub(*after_seq),
                     });
                 }
-                tokio::select! {
-                    _ = stop.cancelled() => break,
-                    r = refusals.changed() => if r.is_err() { break },
-                }
-            }
-        });
+            },
+        );
         let me = self.clone();
         let stop = self.shared.shutdown.clone();
         let mut store_id = link.store_id();
