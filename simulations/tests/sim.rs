@@ -480,6 +480,15 @@ fn all_faults_a_joiner_on_a_dead_key_package_is_invited_again() {
     holds_with_all_faults(1256);
 }
 
+/// Seed 1202: frames trimmed by the outage log depth before dev3's
+/// stream pushed them; the hub's `FramesMissed` notice was only logged by
+/// the link while the pushes after the gap moved the app cursor on. The
+/// notice now reaches the app as `AppFramesMissed`.
+#[test]
+fn all_faults_frames_trimmed_before_they_were_pushed_are_reported() {
+    holds_with_all_faults(1202);
+}
+
 fn holds_with_all_faults(seed: u64) -> serde_json::Value {
     let r = run_in_process(seed, 30, "all");
     assert_eq!(r["violations"], serde_json::json!([]), "seed {seed}");
