@@ -2237,6 +2237,66 @@ async fn a_member_offline_past_the_logs_depth_rejoins_and_gathers_its_ledger() {
     agree(&[&a, &b, &c], g).await;
 }
 
+/// A member offline while the hub trimmed its commit log finds, where
+/// the log starts now, only frames a stranger published, one of them a
+/// replay of the last commit the member merged. That copy sits after the
+/// trimmed commits and proves nothing about them: the member is stranded
+/// and heals (sim seed 1282), never left behind at its old epoch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_strangers_replay_of_a_merged_commit_does_not_hide_a_trim() {
+    let hub = shallow_hub().await;
+    let u = vec![hub.url().to_string()];
+    let a = TestDevice::open(&u).await.unwrap();
+    let b = TestDevice::open(&u).await.unwrap();
+    let mut c = TestDevice::open(&u).await.unwrap();
+    let wb = Watch::new(&b);
+    let wc = Watch::new(&c);
+    let g = group_of(&a, &[(&b, &wb), (&c, &wc)], &u).await;
+    // A commit on the group's current log, which c merges.
+    a.rotate_keys(g).await.unwrap();
+    agree(&[&a, &b, &c], g).await;
+    // The last commit c merged, as the log holds it.
+    let cursor = c.manager().record(g).unwrap().cursor();
+    let topic = topic_of(&a, g);
+    let stranger = hub.client(&signing_key(4343)).await.unwrap();
+    let merged = stranger.fetch(&topic, cursor - 1, 1).await.unwrap();
+    let last = merged.messages[0].payload.clone();
+
+    c.close().await;
+    for _ in 0..2 {
+        a.rotate_keys(g).await.unwrap();
+    }
+    let (e, _) = agree(&[&a, &b], g).await;
+    // Three frames of a stranger with the writer key (an insider, or the
+    // hub itself): the log of depth 3 now holds only them.
+    let writer = writer_of(&a, g);
+    for i in 0..3u64 {
+        let p = log_publish(&writer, 900 + i, last.clone());
+        stranger.publish(p).await.unwrap();
+    }
+    let held = stranger.fetch(&topic, 0, 10).await.unwrap();
+    assert!(held.messages.iter().all(|m| m.payload == last));
+
+    c.reopen().await.unwrap();
+    let wc = Watch::new(&c);
+    let (e2, _) = agree(&[&a, &b, &c], g).await;
+    assert!(e2 > e, "c is in the group's epoch again (rejoined)");
+    // Stranded by the trim itself, before it passed the stranger's frames
+    // over as if nothing was missing (a later check used to catch it, or
+    // not, as in the seed).
+    let events = wc.snapshot();
+    let stranded = events
+        .iter()
+        .position(|ev| matches!(ev, Event::Stranded { group } if *group == g))
+        .expect("c was stranded");
+    assert!(
+        !events[..stranded]
+            .iter()
+            .any(|ev| matches!(ev, Event::FrameSkipped { .. })),
+        "{events:?}"
+    );
+}
+
 /// A member that only reads heals on its own: offline while the hub
 /// trimmed the commit log past its cursor, it comes back stranded, rejoins
 /// in the background (no commit, no remedy called by the app), and reads

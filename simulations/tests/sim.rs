@@ -489,6 +489,16 @@ fn all_faults_frames_trimmed_before_they_were_pushed_are_reported() {
     holds_with_all_faults(1202);
 }
 
+/// Seed 1282: hub1 trimmed dev3's commit log (outage depth) while dev3
+/// was down, and the frames it still held were a stranger's, one a replay
+/// of the last commit dev3 merged. That copy was taken as proof that the
+/// trim hid nothing, and dev3 stayed at its old epoch. Only frames
+/// members published count now.
+#[test]
+fn all_faults_a_strangers_replay_does_not_hide_a_trim() {
+    holds_with_all_faults(1282);
+}
+
 fn holds_with_all_faults(seed: u64) -> serde_json::Value {
     let r = run_in_process(seed, 30, "all");
     assert_eq!(r["violations"], serde_json::json!([]), "seed {seed}");

@@ -139,7 +139,9 @@ pub fn classify(f: &Facts, ours: u64) -> Verdict {
 /// rewound log read again from the start). What was trimmed came before
 /// that commit on the log, so this device has it or passed it; a
 /// stranger's junk at the start of what is held changes nothing.
-/// `held`: digests of the frames the log still holds, in log order;
+/// `held`: digests of the frames the log still holds that members
+/// published, in log order (a stranger's replay of a commit this device
+/// merged sits anywhere, so it must not count);
 /// `merged`: digests of the commits this device remembers merging.
 pub fn trim_hides_commits<'a>(
     mut held: impl Iterator<Item = &'a [u8; 32]>,

@@ -312,7 +312,20 @@ impl GroupPeerManager {
                 }
             }
             if f.gap {
-                let held: Vec<[u8; 32]> = f.messages.iter().map(|m| digest(&m.payload)).collect();
+                // Only frames members published: a stranger (a removed
+                // member, say) replaying a commit this device merged puts a
+                // copy of it after the commits that were trimmed, and proves
+                // nothing about them (sim seed 1282).
+                let members = {
+                    let mut guard = self.shared.registry.lock(group).await;
+                    self.member_set(&mut guard).map_err(store_err)?
+                };
+                let held: Vec<[u8; 32]> = f
+                    .messages
+                    .iter()
+                    .filter(|m| members.contains(&m.sender))
+                    .map(|m| digest(&m.payload))
+                    .collect();
                 let merged: Vec<[u8; 32]> = seen.merged.iter().map(|k| k.digest).collect();
                 f.gap = trim_hides_commits(held.iter(), &merged);
             }
