@@ -786,12 +786,18 @@ impl HubStore for PgHubStore {
     fn size_bytes(&self) -> BoxFuture<'_, Result<Option<u64>, StoreError>> {
         async move {
             let mut conn = self.pool.checkout().await?;
-            let row = conn
+            let row = match conn
                 .conn()
                 .client
                 .query_one("SELECT pg_total_relation_size('hub_kv')::BIGINT", &[])
                 .await
-                .map_err(engine)?;
+            {
+                Ok(row) => row,
+                // A database that speaks PostgreSQL's protocol without
+                // PostgreSQL's size functions (CockroachDB) cannot say.
+                Err(e) if e.code() == Some(&SqlState::UNDEFINED_FUNCTION) => return Ok(None),
+                Err(e) => return Err(engine(e)),
+            };
             let bytes: i64 = row.try_get(0).map_err(engine)?;
             Ok(u64::try_from(bytes).ok())
         }
