@@ -2881,13 +2881,21 @@ async fn a_rejoin_with_nobody_to_answer_fails_and_a_removed_device_gets_no_group
     assert_eq!(a.manager().record(g).unwrap().cursor(), head);
 }
 
-/// A hub restored from a backup brings back a key package that was
-/// claimed and used since: a Welcome built on it could never be read, and
-/// its member would never join. Back on the hub, the device finds the hub
-/// holding more packages than it has keys for, replaces its pool there,
-/// and the next invite reaches it.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_key_package_a_restored_hub_brings_back_is_replaced_before_anyone_claims_it() {
+/// Device `b`, with a pool of two key packages on one hub, and a copy of
+/// that hub's store taken before `b`'s first package was claimed: then `a`
+/// formed a group with `b` on that package. Restoring the copy brings back
+/// a package `b` used since.
+struct UsedSinceCopy {
+    a: TestDevice,
+    b: TestDevice,
+    hub: TestHub,
+    copy: tempfile::TempDir,
+    addr: String,
+    u: Vec<String>,
+    _dir: tempfile::TempDir,
+}
+
+async fn a_package_used_since_a_copy() -> UsedSinceCopy {
     let dir = tempfile::tempdir().unwrap();
     let hub = hub_at(dir.path(), "127.0.0.1:0").await;
     let addr = hub.addr().to_string();
@@ -2895,7 +2903,7 @@ async fn a_key_package_a_restored_hub_brings_back_is_replaced_before_anyone_clai
     let a = TestDevice::open(&u).await.unwrap();
     let mut ob = device_options(&u);
     ob.manager.key_packages = 2;
-    let mut b = TestDevice::open_with(ob).await.unwrap();
+    let b = TestDevice::open_with(ob).await.unwrap();
     b.ready_for_invites(WAIT).await.unwrap();
 
     hub.stop().await;
@@ -2905,6 +2913,33 @@ async fn a_key_package_a_restored_hub_brings_back_is_replaced_before_anyone_clai
     let wb = Watch::new(&b);
     // The first package in b's pool is claimed, and b joins with it.
     group_of(&a, &[(&b, &wb)], &u).await;
+    UsedSinceCopy {
+        a,
+        b,
+        hub,
+        copy,
+        addr,
+        u,
+        _dir: dir,
+    }
+}
+
+/// A hub restored from a backup brings back a key package that was
+/// claimed and used since: a Welcome built on it could never be read, and
+/// its member would never join. Back on the hub, the device finds the hub
+/// holding more packages than it has keys for, replaces its pool there,
+/// and the next invite reaches it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_package_a_restored_hub_brings_back_is_replaced_before_anyone_claims_it() {
+    let UsedSinceCopy {
+        a,
+        mut b,
+        hub,
+        copy,
+        addr,
+        u,
+        _dir,
+    } = a_package_used_since_a_copy().await;
     assert_eq!(b.stats().key_packages_replaced, 0);
 
     b.close().await;
@@ -2936,23 +2971,15 @@ async fn a_key_package_a_restored_hub_brings_back_is_replaced_before_anyone_clai
 /// not act on (another's signature, no Welcome of its own) change nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_joiner_whose_welcome_names_a_dead_key_package_is_invited_again() {
-    let dir = tempfile::tempdir().unwrap();
-    let hub = hub_at(dir.path(), "127.0.0.1:0").await;
-    let addr = hub.addr().to_string();
-    let u = vec![hub.url().to_string()];
-    let a = TestDevice::open(&u).await.unwrap();
-    let mut ob = device_options(&u);
-    ob.manager.key_packages = 2;
-    let mut b = TestDevice::open_with(ob).await.unwrap();
-    b.ready_for_invites(WAIT).await.unwrap();
-
-    hub.stop().await;
-    let copy = tempfile::tempdir().unwrap();
-    copy_dir(dir.path(), copy.path());
-    let hub = hub_at(dir.path(), &addr).await;
-    let wb = Watch::new(&b);
-    // b's first package is claimed, and b joins with it.
-    group_of(&a, &[(&b, &wb)], &u).await;
+    let UsedSinceCopy {
+        a,
+        mut b,
+        hub,
+        copy,
+        addr,
+        u,
+        _dir,
+    } = a_package_used_since_a_copy().await;
 
     // The hub comes back from the copy, which still holds that package,
     // and a invites b again before b is back.
