@@ -2336,6 +2336,59 @@ async fn a_stranded_member_that_only_reads_rejoins_on_its_own() {
     assert_eq!(c.stats().commits, 0, "c committed nothing of its own");
 }
 
+/// A member removed while it was away, back while only some members are
+/// online, is refused by too few of the members it knows to take it as its
+/// removal. It does not give up there: each attempt is reported, it asks
+/// again after its wait, and once most members refuse it takes itself as
+/// removed and forgets the group, instead of staying stranded untold (the
+/// class of simulation seed 1511: a member left on a branch a restore took
+/// away, whose only other member was busy healing itself).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removed_member_refused_by_too_few_asks_again_until_most_refuse() {
+    let hub = shallow_hub().await;
+    let u = vec![hub.url().to_string()];
+    let a = TestDevice::open(&u).await.unwrap();
+    let mut b = TestDevice::open(&u).await.unwrap();
+    let mut oc = device_options(&u);
+    oc.manager.rejoin_deadline = Duration::from_secs(2);
+    let mut c = TestDevice::open_with(oc).await.unwrap();
+    let (wb, wc) = (Watch::new(&b), Watch::new(&c));
+    let g = group_of(&a, &[(&b, &wb), (&c, &wc)], &u).await;
+    agree(&[&a, &b, &c], g).await;
+
+    // While c is away the log moves past its depth (so c cannot read its
+    // removal, the last frame of that log); then b goes away.
+    let c_id = c.id();
+    c.close().await;
+    for _ in 0..5 {
+        a.rotate_keys(g).await.unwrap();
+    }
+    a.remove(g, c_id).await.unwrap();
+    let (e, auth) = agree(&[&a, &b], g).await;
+    b.close().await;
+
+    let wc = reopened_stranded(&mut c, g).await;
+    let removed = |ev: &Event| matches!(ev, Event::Removed { group } if *group == g);
+    wc.until("a refusal by one of the two others", |ev| {
+        matches!(ev, Event::RecoveryFailed { group, remedy: hubsync::device::Remedy::Rejoin, reason }
+            if *group == g && reason.contains("not in the group"))
+    })
+    .await;
+    assert_eq!(wc.count(removed), 0, "one refusal of two is not a removal");
+    assert!(c.manager().record(g).unwrap().stranded, "c still holds g");
+
+    // With b back, the next request is refused by both.
+    b.reopen().await.unwrap();
+    wc.until("c takes itself as removed", removed).await;
+    assert!(c.epoch(g).await.is_err(), "c's state of the group is gone");
+    assert_eq!(wc.count(|ev| matches!(ev, Event::Rejoined { .. })), 0);
+    assert_eq!(
+        agree(&[&a, &b], g).await,
+        (e, auth),
+        "the group did not move"
+    );
+}
+
 /// A message is never encrypted in an epoch the others left: a stranded
 /// member (its background rejoin off) that sends rejoins first and
 /// encrypts in the group's epoch, so the others read it; with nobody to

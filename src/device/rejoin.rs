@@ -997,9 +997,10 @@ impl GroupPeerManager {
     /// off or a task heals it already: rejoin while it is stranded, then
     /// gather the ledger while it is incomplete (a rejoin whose gather
     /// found nobody leaves it so). A failed attempt is reported
-    /// (`Event::RecoveryFailed`) and tried again after a growing wait;
-    /// members refusing a rejoin (the device was removed) end it: the group
-    /// stays stranded for the app to forget.
+    /// (`Event::RecoveryFailed`) and tried again after a growing wait, as
+    /// is a rejoin fewer than half of the other members refused; most of
+    /// them refusing (the device was removed) ends it with the group
+    /// forgotten (`Event::Removed`).
     pub(super) fn heal_in_background(&self, group: GroupId) {
         if !self.shared.config.auto_rejoin || !lock(&self.shared.healing).insert(group) {
             return;
@@ -1017,8 +1018,19 @@ impl GroupPeerManager {
                     match healed {
                         // Rejoined: its ledger may still lack entries.
                         Ok(RejoinResult::Recovered { .. }) => continue,
-                        Ok(RejoinResult::RecoveryFailed { .. }) => {}
-                        Ok(RejoinResult::NotNeeded | RejoinResult::NotAMember { .. })
+                        // Too few refusals to be a removal: the members
+                        // that did not answer yet (cut off, busy healing
+                        // themselves) may answer the next request, and a
+                        // device on a branch the group lost is told so only
+                        // once most of its view has said it.
+                        Ok(
+                            RejoinResult::RecoveryFailed { .. }
+                            | RejoinResult::NotAMember { removed: false, .. },
+                        ) => {}
+                        Ok(
+                            RejoinResult::NotNeeded
+                            | RejoinResult::NotAMember { removed: true, .. },
+                        )
                         | Err(DeviceError::UnknownGroup(_)) => break,
                         Err(e) => me.emit(Event::RecoveryFailed {
                             group,
