@@ -488,6 +488,41 @@ impl Device {
         self.manager.rejoin_group(group).await
     }
 
+    /// Serve `procedures` to co-members over tunnels, replacing what was
+    /// served before; until called, this device answers no tunnel. See
+    /// [`GroupPeerManager::serve`].
+    pub fn serve(&self, procedures: super::tunnel::Procedures) {
+        self.manager.serve(procedures);
+    }
+
+    /// Open a tunnel to `device`, a co-member in `group` that serves
+    /// procedures, for calling them ([`super::tunnel::Tunnel::call`]).
+    ///
+    /// # Errors
+    /// See [`GroupPeerManager::open_tunnel`].
+    pub async fn open_tunnel(
+        &self,
+        group: GroupId,
+        device: DeviceId,
+    ) -> Result<super::tunnel::Tunnel, super::tunnel::TunnelError> {
+        self.manager.open_tunnel(group, device).await
+    }
+
+    /// The hub a tunnel in `group` rides (the group's first bound hub).
+    ///
+    /// # Errors
+    /// `UnknownGroup`, or the store's.
+    pub fn tunnel_hub(&self, group: GroupId) -> Result<Option<String>, DeviceError> {
+        self.manager.tunnel_hub(group)
+    }
+
+    /// Close every tunnel in `group` whose other device is no longer a
+    /// member; runs on its own after every roster change. See
+    /// [`GroupPeerManager::reconcile_tunnel_listeners`].
+    pub async fn reconcile_tunnel_listeners(&self, group: GroupId) {
+        self.manager.reconcile_tunnel_listeners(group).await;
+    }
+
     /// Wait until this device can be invited: its key packages are on
     /// every hub of its own. A device just opened is not invitable until
     /// then (an invite answers `NoKeyPackage`).

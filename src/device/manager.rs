@@ -82,6 +82,9 @@ pub struct ManagerConfig {
     /// that only reads heals too. Off: a stranded group waits for a commit
     /// (`commit_with_recovery`) or the app's `rejoin_group`.
     pub auto_rejoin: bool,
+    /// A tunnel on which nothing went either way for this long closes
+    /// ([`super::tunnel::CloseReason::Idle`]).
+    pub tunnel_idle_timeout: Duration,
 }
 
 /// A synchronous event callback (see [`ManagerConfig::observer`]).
@@ -108,6 +111,7 @@ impl Default for ManagerConfig {
             gather_deadline: Duration::from_secs(10),
             rejoin_deadline: Duration::from_secs(30),
             auto_rejoin: true,
+            tunnel_idle_timeout: Duration::from_secs(300),
         }
     }
 }
@@ -408,6 +412,8 @@ pub(super) struct Shared {
     pub counters: Counters,
     pub shutdown: CancellationToken,
     pub tasks: TaskTracker,
+    /// Tunnels to and from co-members, and the procedures served on them.
+    pub tunnels: super::tunnel::Tunnels,
     /// Test-only fault switches (see [`Faults`]).
     pub faults: Faults,
 }
@@ -443,6 +449,9 @@ pub struct Faults {
     /// Seal a Welcome's ledger snapshot without its last this many
     /// entries, so the joiner's ledger is incomplete.
     pub welcome_ledger_short_by: std::sync::atomic::AtomicUsize,
+    /// Lose every n-th tunnel frame this device sends (0: none), as a hub
+    /// that accepted it and lost it would.
+    pub lose_tunnel_frames: AtomicU64,
 }
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -565,6 +574,7 @@ impl GroupPeerManager {
                 counters: Counters::default(),
                 shutdown: CancellationToken::new(),
                 tasks: TaskTracker::new(),
+                tunnels: Default::default(),
                 faults: Faults::default(),
             }),
         }
@@ -608,6 +618,7 @@ impl GroupPeerManager {
         if let Some(o) = &self.shared.config.observer {
             (o.0)(&e);
         }
+        self.tunnels_follow(&e);
         let _ = self.shared.events.send(e);
     }
 
@@ -871,6 +882,12 @@ impl GroupPeerManager {
                     _ = stop.cancelled() => break,
                     d = rx.recv() => match d { Some(d) => d, None => break },
                 };
+                if super::tunnel::handshake::Handshake::is_one(&d.payload) {
+                    let frame = d.frame_ref();
+                    me.on_tunnel_handshake(link.url(), &d.payload);
+                    link.ack(vec![frame]).await;
+                    continue;
+                }
                 if super::frames::ReinviteRequest::is_one(&d.payload) {
                     let frame = d.frame_ref();
                     me.answer_reinvite_in_background(d.payload);

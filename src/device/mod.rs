@@ -29,6 +29,7 @@ mod reinvite;
 pub mod rejoin;
 pub mod storage;
 pub mod topics;
+pub mod tunnel;
 
 pub use api::{Device, DeviceOptions};
 pub use control::{LeaveOutcome, Settings};
@@ -44,3 +45,4 @@ pub use peer::Sent;
 pub use records::GroupId;
 pub use recovery::Remedy;
 pub use rejoin::RejoinResult;
+pub use tunnel::{CallStream, Caller, CloseReason, Procedures, ResponseSink, Tunnel, TunnelError};

@@ -97,6 +97,13 @@ pub fn app_topic(exporter_secret: &[u8]) -> TopicId {
     app_writer(exporter_secret).topic
 }
 
+/// One direction of a tunnel (a mailbox, writer-bound) and its writer,
+/// from a secret only the tunnel's two devices hold
+/// ([`crate::device::tunnel`]).
+pub fn tunnel_writer(secret: &[u8]) -> TopicWriter {
+    TopicWriter::from_secret(b"tunnel", secret)
+}
+
 /// The group's rendezvous mailbox (never rotates), from the topic seed of
 /// its GroupContext extension.
 pub fn rendezvous_topic(seed: &[u8; 32]) -> TopicId {

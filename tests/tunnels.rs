@@ -1,0 +1,366 @@
+//! Tunnels between co-members, end to end: real hubs over loopback, real
+//! devices in temporary directories.
+
+use hubsync::device::{CloseReason, GroupId, Procedures, TunnelError};
+use hubsync::hub::Limits;
+use hubsync::testkit::{device_options, TestDevice, TestHub};
+use std::time::Duration;
+
+const WAIT: Duration = Duration::from_secs(30);
+
+/// 10 MiB as 160 responses of 64 KiB, each filled from its index.
+const CHUNKS: usize = 160;
+const CHUNK: usize = 64 * 1024;
+
+fn chunk(i: usize) -> Vec<u8> {
+    (0..CHUNK).map(|j| (i * 31 + j * 7) as u8).collect()
+}
+
+async fn until_joined(d: &TestDevice, g: GroupId) {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while d.epoch(g).await.is_err() {
+        assert!(tokio::time::Instant::now() < deadline, "no welcome");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// `creator`'s group with every other device in it, all at one epoch.
+async fn group_of(creator: &TestDevice, others: &[&TestDevice], hubs: &[String]) -> GroupId {
+    let g = creator.create_group(hubs).await.unwrap();
+    for d in others {
+        let deadline = tokio::time::Instant::now() + WAIT;
+        loop {
+            match creator.invite(g, d.id()).await {
+                Ok(_) => break,
+                Err(hubsync::device::CommitError::NoKeyPackage(_))
+                    if tokio::time::Instant::now() < deadline =>
+                {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Err(e) => panic!("invite failed: {e}"),
+            }
+        }
+        until_joined(d, g).await;
+    }
+    in_step(creator, others, g).await;
+    g
+}
+
+/// Wait until every device is at `creator`'s epoch of `g`.
+async fn in_step(creator: &TestDevice, others: &[&TestDevice], g: GroupId) {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let e = creator.epoch(g).await.unwrap();
+    for d in others {
+        while d.epoch(g).await.ok() != Some(e) {
+            assert!(tokio::time::Instant::now() < deadline, "not in step");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+fn procedures() -> Procedures {
+    Procedures::new()
+        .unary("echo", |caller, body| async move {
+            let mut out = caller.device.0[..4].to_vec();
+            out.extend_from_slice(&body);
+            Ok(out)
+        })
+        .unary("fail", |_, _| async move { Err("on purpose".to_string()) })
+        .streamed("blob", |_, _, sink| async move {
+            for i in 0..CHUNKS {
+                sink.send(chunk(i)).await.map_err(|e| e.to_string())?;
+            }
+            Ok(())
+        })
+}
+
+/// A hub over a directory of its own, and its address, so the test can
+/// stop it and start it again where the devices expect it.
+async fn restartable_hub() -> (tempfile::TempDir, TestHub, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let hub = TestHub::start_at(dir.path(), "127.0.0.1:0", |c| {
+        c.limits = Limits::unthrottled()
+    })
+    .await
+    .unwrap();
+    let addr = hub.addr().to_string();
+    (dir, hub, addr)
+}
+
+/// A member calls another's procedures over a tunnel: a response, a
+/// procedure's own failure and a name nobody serves each come back as
+/// such, and 10 MiB of streamed responses arrive in order, exactly once,
+/// across a hub restart in the middle of the stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tunnel_carries_ten_mib_in_order_across_a_hub_restart() {
+    let (dir, hub, addr) = restartable_hub().await;
+    let u = vec![hub.url().to_string()];
+    let a = TestDevice::open(&u).await.unwrap();
+    let b = TestDevice::open(&u).await.unwrap();
+    let g = group_of(&a, &[&b], &u).await;
+    b.serve(procedures());
+    assert_eq!(a.tunnel_hub(g).unwrap().as_deref(), Some(u[0].as_str()));
+
+    let t = a.open_tunnel(g, b.id()).await.unwrap();
+    assert_eq!(t.peer(), b.id());
+    let echoed = t.call("echo", b"hello".to_vec()).await.unwrap();
+    assert_eq!(&echoed[..4], &a.id().0[..4], "b sees a as the caller");
+    assert_eq!(&echoed[4..], b"hello");
+    match t.call("fail", Vec::new()).await {
+        Err(TunnelError::Failed(why)) => assert_eq!(why, "on purpose"),
+        other => panic!("{other:?}"),
+    }
+    match t.call("nothing", Vec::new()).await {
+        Err(TunnelError::NoSuchProcedure(n)) => assert_eq!(n, "nothing"),
+        other => panic!("{other:?}"),
+    }
+
+    let mut s = t.call_stream("blob", Vec::new()).await.unwrap();
+    let mut got = 0;
+    let mut hub = Some(hub);
+    while let Some(r) = tokio::time::timeout(WAIT, s.next())
+        .await
+        .expect("the stream stalled")
+    {
+        let body = r.unwrap();
+        assert!(got < CHUNKS, "more responses than sent");
+        assert!(body == chunk(got), "response {got} out of order or bent");
+        got += 1;
+        if got == 20 {
+            // The hub goes down mid-stream and comes back on its store.
+            hub.take().unwrap().stop().await;
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            hub = Some(
+                TestHub::start_at(dir.path(), &addr, |c| c.limits = Limits::unthrottled())
+                    .await
+                    .unwrap(),
+            );
+        }
+    }
+    assert_eq!(got, CHUNKS, "every response once");
+
+    // Frames lost after the hub took them (as a rewound hub loses them):
+    // the chunks after a gap wait, the lost ones are sent again, and the
+    // stream still arrives whole, in order, once.
+    b.manager()
+        .faults()
+        .lose_tunnel_frames
+        .store(40, std::sync::atomic::Ordering::SeqCst);
+    let mut s = t.call_stream("blob", Vec::new()).await.unwrap();
+    let mut got = 0;
+    while let Some(r) = tokio::time::timeout(WAIT, s.next())
+        .await
+        .expect("the stream stalled")
+    {
+        assert!(
+            r.unwrap() == chunk(got),
+            "response {got} out of order or bent"
+        );
+        got += 1;
+    }
+    assert_eq!(got, CHUNKS, "every response once");
+    b.manager()
+        .faults()
+        .lose_tunnel_frames
+        .store(0, std::sync::atomic::Ordering::SeqCst);
+    assert_eq!(
+        t.call("echo", b"after".to_vec()).await.unwrap()[4..],
+        *b"after"
+    );
+    assert!(t.closed().is_none());
+    t.close();
+    assert_eq!(t.wait_closed().await, CloseReason::Closed);
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while !b.manager().tunnels(g).is_empty() {
+        assert!(tokio::time::Instant::now() < deadline, "b was told");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    drop(hub);
+}
+
+/// A member removed from the group loses its tunnel at once (the serving
+/// device closes it on the roster change) and cannot open another: the
+/// device that served it no longer answers it. A device that serves
+/// nothing declines.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removed_members_tunnel_closes_and_cannot_be_reopened() {
+    let hub = TestHub::start_with(|c| c.limits = Limits::unthrottled())
+        .await
+        .unwrap();
+    let u = vec![hub.url().to_string()];
+    let a = TestDevice::open(&u).await.unwrap();
+    let b = TestDevice::open(&u).await.unwrap();
+    let c = TestDevice::open(&u).await.unwrap();
+    let g = group_of(&a, &[&b, &c], &u).await;
+
+    match c.open_tunnel(g, b.id()).await {
+        Err(TunnelError::Refused(r)) => {
+            assert_eq!(
+                r,
+                hubsync::device::tunnel::handshake::RefuseReason::NoService
+            )
+        }
+        other => panic!("b serves nothing yet: {other:?}"),
+    }
+    b.serve(procedures());
+    let t = c.open_tunnel(g, b.id()).await.unwrap();
+    assert_eq!(t.call("echo", b"x".to_vec()).await.unwrap()[4..], *b"x");
+
+    a.remove(g, c.id()).await.unwrap();
+    let reason = tokio::time::timeout(WAIT, t.wait_closed())
+        .await
+        .expect("the tunnel closed");
+    assert!(
+        matches!(reason, CloseReason::Remote(_) | CloseReason::Left),
+        "{reason:?}"
+    );
+    assert!(matches!(
+        t.call("echo", Vec::new()).await,
+        Err(TunnelError::Closed(_))
+    ));
+    in_step(&a, &[&b], g).await;
+    assert!(b.manager().tunnels(g).is_empty(), "b holds no tunnel to c");
+    match c.open_tunnel(g, b.id()).await {
+        Err(TunnelError::NoAnswer) | Err(TunnelError::Device(_)) => {}
+        Ok(_) => panic!("a removed member opened a tunnel"),
+        Err(e) => {
+            // c may still hold the group (it read its removal or not): it
+            // is refused locally or gets no answer, never a tunnel.
+            let text = e.to_string();
+            assert!(
+                matches!(e, TunnelError::NotAMember { .. } | TunnelError::Stranded(_)),
+                "{text}"
+            );
+        }
+    }
+    // a still opens one.
+    let ta = a.open_tunnel(g, b.id()).await.unwrap();
+    assert_eq!(ta.call("echo", b"y".to_vec()).await.unwrap()[4..], *b"y");
+}
+
+/// A stranger who learned a member's device id and the group id (it may
+/// sign an open in its own name, and post it to the member's mailbox like
+/// anyone) gets no answer, and its open changes nothing; a member cannot
+/// open a tunnel to a device outside the group, and a device outside the
+/// group cannot open one in it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stranger_cannot_open_a_tunnel() {
+    let hub = TestHub::start_with(|c| c.limits = Limits::unthrottled())
+        .await
+        .unwrap();
+    let u = vec![hub.url().to_string()];
+    let a = TestDevice::open(&u).await.unwrap();
+    let b = TestDevice::open(&u).await.unwrap();
+    let outsider = TestDevice::open(&u).await.unwrap();
+    let g = group_of(&a, &[&b], &u).await;
+    b.serve(procedures());
+
+    assert!(matches!(
+        outsider.open_tunnel(g, b.id()).await,
+        Err(TunnelError::Device(
+            hubsync::device::DeviceError::UnknownGroup(_)
+        ))
+    ));
+    match a.open_tunnel(g, outsider.id()).await {
+        Err(TunnelError::NotAMember { device, .. }) => assert_eq!(device, outsider.id()),
+        other => panic!("{other:?}"),
+    }
+
+    let key = hubsync::testkit::signing_key(77);
+    let stranger = hubsync::wire::DeviceId(key.verifying_key().to_bytes());
+    let dropped = b.stats().dropped;
+    let client = hubsync::client::HubClient::connect(
+        &hubsync::transport::TcpConnector,
+        &u[0],
+        &key,
+        Default::default(),
+    )
+    .await
+    .unwrap();
+    let mut pushes = client.take_pushes().unwrap();
+    client.receive().await.unwrap();
+    client
+        .subscribe(&hubsync::device::topics::welcome_topic(&stranger), None)
+        .await
+        .unwrap();
+    let out = client
+        .publish(hubsync::wire::Publish {
+            publish_id: hubsync::wire::PublishId([9; 32]),
+            topic: hubsync::device::topics::welcome_topic(&b.id()),
+            class: hubsync::wire::RetentionClass::Mailbox,
+            expected_head: hubsync::wire::ExpectedHead::Unconditional,
+            replay_only: false,
+            retention_secs: None,
+            payload: forged_open(&key, stranger, g, b.id(), a.epoch(g).await.unwrap()),
+            writer: None,
+        })
+        .await
+        .unwrap();
+    assert!(matches!(
+        out,
+        hubsync::wire::PublishOutcome::Accepted { .. }
+    ));
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while b.stats().dropped == dropped {
+        assert!(tokio::time::Instant::now() < deadline, "b never saw it");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        b.manager().tunnels(g).is_empty(),
+        "no tunnel for a stranger"
+    );
+    // Nothing came back to the stranger's mailbox.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(pushes.try_recv().is_err(), "the stranger was answered");
+    // b still answers a member.
+    let t = a.open_tunnel(g, b.id()).await.unwrap();
+    assert_eq!(t.call("echo", b"z".to_vec()).await.unwrap()[4..], *b"z");
+}
+
+/// An open signed by the stranger's own key, naming the group and its
+/// current epoch.
+fn forged_open(
+    key: &ed25519_dalek::SigningKey,
+    from: hubsync::wire::DeviceId,
+    g: GroupId,
+    to: hubsync::wire::DeviceId,
+    epoch: u64,
+) -> Vec<u8> {
+    use ed25519_dalek::Signer as _;
+    use hubsync::device::tunnel::handshake::{Handshake, Open};
+    let mut o = Open {
+        group: g,
+        tunnel: [5; 16],
+        from,
+        to,
+        epoch,
+        hpke_public: vec![7; 32],
+        signature: Vec::new(),
+    };
+    o.signature = key.sign(&o.signed_bytes()).to_bytes().to_vec();
+    Handshake::Open(o).encode()
+}
+
+/// A tunnel nobody uses closes after the idle timeout, on both sides.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_tunnel_closes() {
+    let hub = TestHub::start_with(|c| c.limits = Limits::unthrottled())
+        .await
+        .unwrap();
+    let u = vec![hub.url().to_string()];
+    let mut oa = device_options(&u);
+    oa.manager.tunnel_idle_timeout = Duration::from_secs(2);
+    let a = TestDevice::open_with(oa).await.unwrap();
+    let b = TestDevice::open(&u).await.unwrap();
+    let g = group_of(&a, &[&b], &u).await;
+    b.serve(procedures());
+    let t = a.open_tunnel(g, b.id()).await.unwrap();
+    t.call("echo", Vec::new()).await.unwrap();
+    let reason = tokio::time::timeout(WAIT, t.wait_closed()).await.unwrap();
+    assert_eq!(reason, CloseReason::Idle);
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while !b.manager().tunnels(g).is_empty() {
+        assert!(tokio::time::Instant::now() < deadline, "b was told");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
