@@ -1142,6 +1142,64 @@ async fn a_hub_restored_from_an_older_copy_is_noticed_and_the_group_carries_on()
     assert_eq!(wa.stranded() + wb.stranded(), 0);
 }
 
+/// A shallow commit log whose kept window an insider (a leaked writer key)
+/// filled with junk, then restored from that copy: the group's commits are
+/// all gone from it and nothing a member wrote is left. No member can
+/// tell from the log whether the group moved on, and stranding every one
+/// of them would leave nobody to answer a rejoin (sim seed 1068). They
+/// give the hub back the commits they merged and carry on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restored_log_holding_only_junk_is_given_the_group_back() {
+    let shallow = |c: &mut hubsync::hub::HubConfig| {
+        unthrottled(c);
+        c.limits.max_log_depth = 3;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let hub = TestHub::start_at(dir.path(), "127.0.0.1:0", shallow)
+        .await
+        .unwrap();
+    let addr = hub.addr().to_string();
+    let u = vec![hub.url().to_string()];
+    let a = TestDevice::open(&u).await.unwrap();
+    let b = TestDevice::open(&u).await.unwrap();
+    let (wa, wb) = (Watch::new(&a), Watch::new(&b));
+    let g = group_of(&a, &[(&b, &wb)], &u).await;
+    agree(&[&a, &b], g).await;
+    let insider = hub.client(&signing_key(41)).await.unwrap();
+    let writer = writer_of(&a, g);
+    // One more than the log keeps: its first frame is trimmed, so a reader
+    // from the start is told of a gap.
+    for i in 0..4 {
+        accepted_seq(
+            insider
+                .publish(log_publish(&writer, 100 + i, b"junk".to_vec()))
+                .await
+                .unwrap(),
+        );
+    }
+    drop(insider);
+    hub.stop().await;
+    let copy = tempfile::tempdir().unwrap();
+    copy_dir(dir.path(), copy.path());
+    let hub = TestHub::start_at(dir.path(), &addr, shallow).await.unwrap();
+    a.rotate_keys(g).await.unwrap();
+    b.rotate_keys(g).await.unwrap();
+    let (e, _) = agree(&[&a, &b], g).await;
+    hub.stop().await;
+    let _hub = TestHub::start_at(copy.path(), &addr, shallow)
+        .await
+        .unwrap();
+
+    // Both find the log behind them, read it from the start, find only
+    // junk after the trim, and give it back what they merged.
+    let r = a.rotate_keys(g).await.unwrap();
+    assert_eq!(r.outcome.epoch, e + 1);
+    let (e1, _) = agree(&[&a, &b], g).await;
+    assert_eq!(e1, e + 1);
+    message_reaches(&b, &[&wa], g, b"after the junk").await;
+    assert_eq!(wa.stranded() + wb.stranded(), 0, "nobody was stranded");
+}
+
 /// The group moved its commits to another hub, and the old commit hub
 /// was then restored from a copy older than the move: the member that was
 /// away still reads the old hub (it never saw the move) and would wait
@@ -2387,6 +2445,62 @@ async fn a_removed_member_refused_by_too_few_asks_again_until_most_refuse() {
         (e, auth),
         "the group did not move"
     );
+}
+
+/// A stranded member whose background rejoin found nobody to answer waits
+/// longer after each failure (5, 10, 20 s, ...), but not once its hub comes
+/// back: a link that connects again sends it to ask at once, so a member
+/// cut off with the rest of its group heals when they do, not a backoff
+/// later (sim seed 1059, whose gather waited past the end of the run).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stranded_member_asks_again_as_soon_as_its_hub_is_back() {
+    let shallow = |c: &mut hubsync::hub::HubConfig| {
+        unthrottled(c);
+        c.limits.max_log_depth = 3;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let hub = TestHub::start_at(dir.path(), "127.0.0.1:0", shallow)
+        .await
+        .unwrap();
+    let addr = hub.addr().to_string();
+    let u = vec![hub.url().to_string()];
+    let mut a = TestDevice::open(&u).await.unwrap();
+    let mut oc = device_options(&u);
+    oc.manager.rejoin_deadline = Duration::from_secs(2);
+    let mut c = TestDevice::open_with(oc).await.unwrap();
+    let wc = Watch::new(&c);
+    let g = group_of(&a, &[(&c, &wc)], &u).await;
+    agree(&[&a, &c], g).await;
+    c.close().await;
+    for _ in 0..5 {
+        a.rotate_keys(g).await.unwrap();
+    }
+    a.close().await;
+
+    // Nobody to answer: three failures, and then a wait of 20 s.
+    let wc = reopened_stranded(&mut c, g).await;
+    let failed = |ev: &Event| matches!(ev, Event::RecoveryFailed { group, remedy: hubsync::device::Remedy::Rejoin, .. } if *group == g);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while wc.count(failed) < 3 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{:?}",
+            wc.snapshot()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The hub goes down and comes back, with a on it again.
+    hub.stop().await;
+    let _hub = TestHub::start_at(dir.path(), &addr, shallow).await.unwrap();
+    let back = tokio::time::Instant::now();
+    a.reopen().await.unwrap();
+    wc.until_rejoined(g, "rejoined").await;
+    assert!(
+        back.elapsed() < Duration::from_secs(12),
+        "asked again when its link came back, not after the 20 s wait: {:?}",
+        back.elapsed()
+    );
+    agree(&[&a, &c], g).await;
 }
 
 /// A message is never encrypted in an epoch the others left: a stranded

@@ -510,6 +510,25 @@ fn all_faults_a_member_on_a_lost_branch_learns_it_is_not_in_the_group() {
     holds_with_all_faults(1511);
 }
 
+/// Seed 1059: dev4 rejoined g0 while its only hub was down for two
+/// minutes, and its ledger gathers backed off to 160 s by the time the
+/// hub came back: the next one fell after the end of the run, its ledger
+/// short. A heal now asks again as soon as a hub link connects.
+#[test]
+fn all_faults_a_heal_asks_again_when_the_hub_is_back() {
+    holds_with_all_faults(1059);
+}
+
+/// Seed 1068: hub1, restored from a copy whose depth-4 window held only
+/// frames an insider had written, lost g1's commits; every member found
+/// the trim, no member's frame in what was kept, and stranded itself, and
+/// a stranded member answers no rejoin. They give the log back what they
+/// merged now.
+#[test]
+fn all_faults_a_restored_log_of_junk_strands_nobody() {
+    holds_with_all_faults(1068);
+}
+
 fn holds_with_all_faults(seed: u64) -> serde_json::Value {
     let r = run_in_process(seed, 30, "all");
     assert_eq!(r["violations"], serde_json::json!([]), "seed {seed}");

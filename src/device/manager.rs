@@ -78,8 +78,9 @@ pub struct ManagerConfig {
     /// Rejoin a group on its own, in the background, as soon as this
     /// device finds itself stranded there, then gather its ledger if the
     /// rejoin left it incomplete (each again after a failed attempt,
-    /// waiting 5 s, then twice as long each time up to 5 min), so a device
-    /// that only reads heals too. Off: a stranded group waits for a commit
+    /// waiting 5 s, then twice as long each time up to 5 min, or at once
+    /// when a hub link connects again), so a device that only reads heals
+    /// too. Off: a stranded group waits for a commit
     /// (`commit_with_recovery`) or the app's `rejoin_group`.
     pub auto_rejoin: bool,
     /// A tunnel on which nothing went either way for this long closes
@@ -414,6 +415,10 @@ pub(super) struct Shared {
     pub tasks: TaskTracker,
     /// Tunnels to and from co-members, and the procedures served on them.
     pub tunnels: super::tunnel::Tunnels,
+    /// Counts the connections any hub link made: background heals waiting
+    /// out a backoff try again when it moves (the hub they could not reach
+    /// may be back).
+    pub links_up: watch::Sender<u64>,
     /// Test-only fault switches (see [`Faults`]).
     pub faults: Faults,
 }
@@ -575,6 +580,7 @@ impl GroupPeerManager {
                 shutdown: CancellationToken::new(),
                 tasks: TaskTracker::new(),
                 tunnels: Default::default(),
+                links_up: watch::Sender::new(0),
                 faults: Faults::default(),
             }),
         }
@@ -864,6 +870,7 @@ impl GroupPeerManager {
                 let up = matches!(*status.borrow_and_update(), LinkStatus::Connected);
                 if up && !was_up {
                     me.pull_groups_on(&url);
+                    me.shared.links_up.send_modify(|n| *n += 1);
                 }
                 was_up = up;
                 tokio::select! {

@@ -997,7 +997,9 @@ impl GroupPeerManager {
     /// off or a task heals it already: rejoin while it is stranded, then
     /// gather the ledger while it is incomplete (a rejoin whose gather
     /// found nobody leaves it so). A failed attempt is reported
-    /// (`Event::RecoveryFailed`) and tried again after a growing wait, as
+    /// (`Event::RecoveryFailed`) and tried again after a growing wait (or
+    /// as soon as any hub link connects again, which also resets the
+    /// wait), as
     /// is a rejoin fewer than half of the other members refused; most of
     /// them refusing (the device was removed) ends it with the group
     /// forgotten (`Event::Removed`).
@@ -1007,6 +1009,7 @@ impl GroupPeerManager {
         }
         let me = self.clone();
         let stop = self.shared.shutdown.clone();
+        let mut links_up = self.shared.links_up.subscribe();
         self.shared.tasks.spawn(async move {
             let mut wait = HEAL_BACKOFF_MIN;
             while let Ok(rec) = me.record(group) {
@@ -1060,11 +1063,21 @@ impl GroupPeerManager {
                 } else {
                     break;
                 }
+                links_up.mark_unchanged();
                 tokio::select! {
                     _ = stop.cancelled() => break,
-                    _ = tokio::time::sleep(wait) => {}
+                    _ = tokio::time::sleep(wait) => {
+                        wait = (wait * 2).min(HEAL_BACKOFF_MAX);
+                    }
+                    // A hub came back: what it could not reach may be
+                    // there now, so try at once, and patiently again.
+                    r = links_up.changed() => {
+                        if r.is_err() {
+                            break;
+                        }
+                        wait = HEAL_BACKOFF_MIN;
+                    }
                 }
-                wait = (wait * 2).min(HEAL_BACKOFF_MAX);
             }
             lock(&me.shared.healing).remove(&group);
         });

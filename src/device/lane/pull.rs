@@ -328,11 +328,28 @@ impl GroupPeerManager {
                     .collect();
                 let merged: Vec<[u8; 32]> = seen.merged.iter().map(|k| k.digest).collect();
                 f.gap = trim_hides_commits(held.iter(), &merged);
+                // The window the hub kept holds nothing a member wrote
+                // (frames of strangers or former members pushed the group's
+                // commits out of a shallow log), and the hub lost commits
+                // this device merged (a rewind): no member's frame says the
+                // group moved on. Give the hub back what it lost, so the log
+                // holds the group's place again, and read on. Stranding
+                // here strands every member alike, and a stranded member
+                // answers no rejoin (sim seed 1068). Should a commit this
+                // device never read hide in the trim after all, its author
+                // finds ours in its place and rejoins as a fork's loser.
+                if f.gap && held.is_empty() {
+                    let lost_here = seen.merged.iter().any(|k| is_lost(k, &hub));
+                    if lost_here && self.heal(group, &hub, &link, f.head).await? {
+                        continue;
+                    }
+                }
             }
             if f.gap {
                 let mut guard = self.shared.registry.lock(group).await;
                 let mut rec = self.record(group)?;
                 if rec.commit_hub == hub && rec.cursor() == cursor {
+                    tracing::warn!(%group, hub, cursor, "stranded: the hub trimmed commits this device had not read");
                     self.strand(&mut guard, &mut rec)?;
                 }
                 return Ok(Pulled::Stranded);
@@ -585,6 +602,7 @@ impl GroupPeerManager {
     /// This device's commit framed in `epoch` lost its place to a member's:
     /// strand, and note that what it encrypted from `epoch + 1` on is lost.
     async fn strand_lost_fork(&self, group: GroupId, epoch: u64) -> Result<(), PullError> {
+        tracing::warn!(%group, epoch, "stranded: a member's commit took the place of this device's on a former log");
         let mut guard = self.shared.registry.lock(group).await;
         let mut rec = self.record(group)?;
         rec.note_lost_from(epoch + 1);
