@@ -364,3 +364,35 @@ async fn an_idle_tunnel_closes() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// Under the hub's default limits (20 publishes a second per device, a
+/// burst of 50), 20 MiB of responses run into the rate limit: the sender
+/// holds its frames for the time the hub asks and sends them again, and
+/// every response still arrives once, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tunnel_paced_by_the_hubs_rate_limit_loses_nothing() {
+    let hub = TestHub::start().await.unwrap();
+    let u = vec![hub.url().to_string()];
+    let a = TestDevice::open(&u).await.unwrap();
+    let b = TestDevice::open(&u).await.unwrap();
+    let g = group_of(&a, &[&b], &u).await;
+    b.serve(procedures());
+    let t = a.open_tunnel(g, b.id()).await.unwrap();
+    for _ in 0..2 {
+        let mut s = t.call_stream("blob", Vec::new()).await.unwrap();
+        let mut got = 0;
+        while let Some(r) = tokio::time::timeout(WAIT, s.next())
+            .await
+            .expect("the stream stalled")
+        {
+            assert!(
+                r.unwrap() == chunk(got),
+                "response {got} out of order or bent"
+            );
+            got += 1;
+        }
+        assert_eq!(got, CHUNKS);
+    }
+    let refused = hub.hub().metrics().rate_limited.device;
+    assert!(refused > 0, "the hub's rate limit was met");
+}

@@ -62,6 +62,9 @@ const INBOUND_QUEUE: usize = 8;
 /// Items of one call waiting for the caller to read them.
 const CALL_QUEUE: usize = 16;
 
+/// How long a tunnel holds its sending after a failed publish.
+const SEND_RETRY_MS: u64 = 250;
+
 /// How often an idle tunnel looks at its idle timeout.
 const IDLE_CHECK: Duration = Duration::from_secs(1);
 
@@ -932,13 +935,21 @@ impl GroupPeerManager {
         let idle = self.shared.config.tunnel_idle_timeout;
         let stop = self.shared.shutdown.clone();
         let mut closed = live.closed.subscribe();
+        // After a failed publish (the hub down, or its rate limit), nothing
+        // is sent until then: the hub is not asked again at once.
+        let mut hold_until = 0u64;
         loop {
             let now = live.clock.now_ms();
-            let frames = lock(&live.session).transmit(now);
+            let frames = if now >= hold_until {
+                lock(&live.session).transmit(now)
+            } else {
+                Vec::new()
+            };
             for f in frames {
                 if let Err(e) = self.send_frame(&live, &link, &f).await {
                     tracing::debug!(error = %e, "a tunnel frame was not sent; it is sent again");
-                    lock(&live.session).resend_soon(now);
+                    hold_until = now + retry_after_ms(&e);
+                    lock(&live.session).resend_soon(hold_until);
                     break;
                 }
             }
@@ -957,6 +968,7 @@ impl GroupPeerManager {
                 continue;
             }
             let wait = due
+                .map(|d| d.max(hold_until))
                 .map(|d| Duration::from_millis(d.saturating_sub(now)))
                 .unwrap_or(IDLE_CHECK)
                 .min(IDLE_CHECK);
@@ -1032,7 +1044,7 @@ impl GroupPeerManager {
         }
     }
 
-    async fn send_frame(&self, live: &Live, link: &HubLink, f: &Frame) -> Result<(), DeviceError> {
+    async fn send_frame(&self, live: &Live, link: &HubLink, f: &Frame) -> Result<(), SendError> {
         let crypto = self.shared.registry.provider().crypto();
         let counter = live.counter.fetch_add(1, Ordering::Relaxed);
         let lose = self
@@ -1044,7 +1056,7 @@ impl GroupPeerManager {
             return Ok(());
         }
         let payload = handshake::seal(crypto, &live.keys.out, counter, f)
-            .map_err(|e| DeviceError::Mls(e.to_string()))?;
+            .map_err(|e| SendError::Seal(e.to_string()))?;
         let topic = live.keys.out.topic.clone();
         let mut p = Publish {
             publish_id: publish_id(&digest(&payload), &topic),
@@ -1057,13 +1069,7 @@ impl GroupPeerManager {
             writer: None,
         };
         live.keys.out.sign(&mut p);
-        link.publish(p)
-            .await
-            .map(|_| ())
-            .map_err(|e| DeviceError::Hub {
-                url: live.hub.clone(),
-                reason: format!("a tunnel frame: {e}"),
-            })
+        link.publish(p).await.map(|_| ()).map_err(SendError::Link)
     }
 
     /// The serving side's procedure layer: run each call, at most
@@ -1111,6 +1117,28 @@ impl GroupPeerManager {
             });
         }
     }
+}
+
+/// How long to hold a tunnel's sending after a failed publish: what a
+/// rate-limited hub asked for, else [`SEND_RETRY_MS`].
+fn retry_after_ms(e: &SendError) -> u64 {
+    match e {
+        SendError::Link(super::link::LinkError::Client(crate::client::ClientError::Hub(
+            crate::wire::HubError::RateLimited { retry_after_ms, .. },
+        ))) => (*retry_after_ms).max(SEND_RETRY_MS),
+        _ => SEND_RETRY_MS,
+    }
+}
+
+/// Why a tunnel frame was not sent.
+#[derive(Debug, thiserror::Error)]
+enum SendError {
+    /// It could not be sealed.
+    #[error("sealing a tunnel frame: {0}")]
+    Seal(String),
+    /// The hub did not take it.
+    #[error("publishing a tunnel frame: {0}")]
+    Link(super::link::LinkError),
 }
 
 /// The calling side's procedure layer: hand each response to its call.
