@@ -396,3 +396,73 @@ async fn a_tunnel_paced_by_the_hubs_rate_limit_loses_nothing() {
     let refused = hub.hub().metrics().rate_limited.device;
     assert!(refused > 0, "the hub's rate limit was met");
 }
+
+/// A late joiner fetches the group's history from a co-member: with the
+/// group's setting off (the default) nothing; with it at 3, exactly the
+/// last 3 messages, once, in order, into its inbox; asking again brings
+/// nothing twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn history_sync_delivers_exactly_the_allowed_messages_once() {
+    let hub = TestHub::start_with(|c| c.limits = Limits::unthrottled())
+        .await
+        .unwrap();
+    let u = vec![hub.url().to_string()];
+    let a = TestDevice::open(&u).await.unwrap();
+    let b = TestDevice::open(&u).await.unwrap();
+    let s = TestDevice::open(&u).await.unwrap();
+    let g = group_of(&a, &[&b, &s], &u).await;
+    // s says five things, and leaves: a's and b's inboxes hold the same
+    // five messages in the same order.
+    let mut ids = Vec::new();
+    for i in 0..5u8 {
+        ids.push(s.send(g, &[b'm', i]).await.unwrap().id);
+    }
+    for d in [&a, &b] {
+        let deadline = tokio::time::Instant::now() + WAIT;
+        while d.messages(g, 0, 100).unwrap().len() < 5 {
+            assert!(tokio::time::Instant::now() < deadline, "messages");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    a.remove(g, s.id()).await.unwrap();
+
+    let c = TestDevice::open(&u).await.unwrap();
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        match a.invite(g, c.id()).await {
+            Ok(_) => break,
+            Err(hubsync::device::CommitError::NoKeyPackage(_))
+                if tokio::time::Instant::now() < deadline =>
+            {
+                tokio::time::sleep(Duration::from_millis(100)).await
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+    until_joined(&c, g).await;
+    in_step(&a, &[&b, &c], g).await;
+
+    let off = c.sync_history(g).await.unwrap();
+    assert_eq!((off.allowed, off.received), (0, 0), "off by default");
+    assert!(c.messages(g, 0, 100).unwrap().is_empty());
+
+    a.set_setting(g, hubsync::device::tunnel::history::SETTING, b"3")
+        .await
+        .unwrap();
+    in_step(&a, &[&b, &c], g).await;
+    let got = c.sync_history(g).await.unwrap();
+    assert_eq!(got.allowed, 3);
+    assert_eq!(got.received, 3, "{got:?}");
+    let inbox = c.messages(g, 0, 100).unwrap();
+    let bodies: Vec<Vec<u8>> = inbox.iter().map(|m| m.body.clone()).collect();
+    assert_eq!(bodies, vec![vec![b'm', 2], vec![b'm', 3], vec![b'm', 4]]);
+    assert_eq!(
+        inbox.iter().map(|m| m.id).collect::<Vec<_>>(),
+        ids[2..].to_vec()
+    );
+    assert!(inbox.iter().all(|m| m.sender == s.id()));
+
+    let again = c.sync_history(g).await.unwrap();
+    assert_eq!((again.received, again.duplicates), (0, 3));
+    assert_eq!(c.messages(g, 0, 100).unwrap().len(), 3, "nothing twice");
+}

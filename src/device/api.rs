@@ -508,6 +508,20 @@ impl Device {
         self.manager.open_tunnel(group, device).await
     }
 
+    /// Fetch the group's newest messages this device was not there for
+    /// from a co-member, as many as the group's `history.share_last`
+    /// setting allows (off by default), into the inbox in order. See
+    /// [`GroupPeerManager::sync_history`].
+    ///
+    /// # Errors
+    /// See [`GroupPeerManager::sync_history`].
+    pub async fn sync_history(
+        &self,
+        group: GroupId,
+    ) -> Result<super::tunnel::history::HistorySummary, super::tunnel::TunnelError> {
+        self.manager.sync_history(group).await
+    }
+
     /// The hub a tunnel in `group` rides (the group's first bound hub).
     ///
     /// # Errors

@@ -20,6 +20,7 @@
 //! every roster change): when either device leaves the group, it closes.
 
 pub mod handshake;
+pub mod history;
 pub mod session;
 
 use self::handshake::{Accept, Handshake, Open, Refuse, RefuseReason, TunnelId, TunnelKeys};
@@ -816,7 +817,8 @@ impl GroupPeerManager {
                 let _ = self.pull(o.group).await;
                 continue;
             }
-            if lock(&self.shared.tunnels.procedures).is_none() {
+            let serves_apps = lock(&self.shared.tunnels.procedures).is_some();
+            if !serves_apps && self.history_allowed(o.group)? == 0 {
                 drop(guard);
                 return self
                     .post_handshake(hub, &o.from, &refuse(RefuseReason::NoService))
@@ -1085,9 +1087,19 @@ impl GroupPeerManager {
                 self.shared.counters.dropped.fetch_add(1, Ordering::Relaxed);
                 continue;
             };
-            let handler = lock(&self.shared.tunnels.procedures)
-                .as_ref()
-                .and_then(|p| p.map.get(&method).cloned());
+            let handler = if method == history::PROCEDURE {
+                // The engine's own: served whatever the app registered.
+                let me = self.clone();
+                let f: Streamed = Arc::new(move |c, _, sink| {
+                    let me = me.clone();
+                    Box::pin(async move { me.serve_history(c, sink).await })
+                });
+                Some(Handler::Streamed(f))
+            } else {
+                lock(&self.shared.tunnels.procedures)
+                    .as_ref()
+                    .and_then(|p| p.map.get(&method).cloned())
+            };
             let Ok(slot) = slots.clone().acquire_owned().await else {
                 return;
             };
