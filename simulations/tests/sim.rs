@@ -529,6 +529,17 @@ fn all_faults_a_restored_log_of_junk_strands_nobody() {
     holds_with_all_faults(1068);
 }
 
+/// Seed 1145: dev4 read hub1's restored log from the start: its own
+/// commit had been trimmed there, only junk was kept, and giving the
+/// commit back was answered as a duplicate (the hub still knew its publish
+/// id), which changed nothing; the pull gave it back again and again and
+/// never returned. It gives back once per pull now, then strands and
+/// rejoins.
+#[test]
+fn all_faults_giving_back_to_a_log_of_junk_does_not_loop() {
+    holds_with_all_faults(1145);
+}
+
 fn holds_with_all_faults(seed: u64) -> serde_json::Value {
     let r = run_in_process(seed, 30, "all");
     assert_eq!(r["violations"], serde_json::json!([]), "seed {seed}");

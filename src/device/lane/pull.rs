@@ -230,6 +230,11 @@ impl GroupPeerManager {
                 Err(e) => Err(PullError::Commit(e)),
             };
         }
+        // Whether this pull gave a log of junk back its commits already: a
+        // give-back the hub answers as a duplicate (the frame was there
+        // once, and trimmed since) changes nothing on the log, so a second
+        // try would only loop (sim seed 1145).
+        let mut gave_back_after_junk = false;
         loop {
             let seen = self.record(group)?;
             if seen.stranded {
@@ -338,9 +343,10 @@ impl GroupPeerManager {
                 // answers no rejoin (sim seed 1068). Should a commit this
                 // device never read hide in the trim after all, its author
                 // finds ours in its place and rejoins as a fork's loser.
-                if f.gap && held.is_empty() {
+                if f.gap && held.is_empty() && !gave_back_after_junk {
                     let lost_here = seen.merged.iter().any(|k| is_lost(k, &hub));
                     if lost_here && self.heal(group, &hub, &link, f.head).await? {
+                        gave_back_after_junk = true;
                         continue;
                     }
                 }
