@@ -1,4 +1,7 @@
-//! `hubsync demo`: two real hubs and five devices on loopback, end to end.
+//! `hubsync demo`: two real hubs and six devices on loopback, end to end:
+//! a group formed, messages, concurrent commits, a device restart, a hub
+//! stopped, a procedure called over a tunnel, and a late joiner fetching
+//! the group's history.
 
 use hubsync::device::{Device, Event, EventStream, GroupId};
 use hubsync::testkit::{device_options, open_sled, TestHub};
@@ -203,7 +206,70 @@ pub async fn run() -> Result<(), String> {
         n.seen.len() >= want
     })
     .await?;
+    converge(&nodes, g).await?;
+
+    println!("bo serves a procedure; ada calls it over a tunnel");
+    let bo_name = nodes[1].name.clone();
+    nodes[1]
+        .device
+        .serve(
+            hubsync::device::Procedures::new().unary("greet", move |caller, body| {
+                let name = bo_name.clone();
+                async move {
+                    Ok(format!(
+                        "{name} greets {} who said {:?}",
+                        &caller.device.to_string()[..8],
+                        String::from_utf8_lossy(&body)
+                    )
+                    .into_bytes())
+                }
+            }),
+        );
+    let tunnel = nodes[0]
+        .device
+        .open_tunnel(g, nodes[1].device.id())
+        .await
+        .map_err(|e| e.to_string())?;
+    let answer = tunnel
+        .call("greet", b"hi bo".to_vec())
+        .await
+        .map_err(|e| e.to_string())?;
+    println!("  {}", String::from_utf8_lossy(&answer));
+    tunnel.close();
+
+    println!("ada lets members hand on the last 20 messages; fay joins late");
+    nodes[0]
+        .device
+        .set_setting(g, hubsync::device::tunnel::history::SETTING, b"20")
+        .await
+        .map_err(|e| e.to_string())?;
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let fay = Node::open("fay", &hubs[..1], dir).await?;
+    loop {
+        match nodes[0].device.invite(g, fay.device.id()).await {
+            Ok(r) => {
+                println!("ada invited fay (epoch {})", r.outcome.epoch);
+                break;
+            }
+            Err(hubsync::device::CommitError::NoKeyPackage(_)) if started.elapsed() < 3 * WAIT => {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(e) => return Err(format!("invite failed: {e}")),
+        }
+    }
+    nodes.push(fay);
+    until(&mut nodes[5..], "fay to join", |n| n.joined.contains(&g)).await?;
     let epoch = converge(&nodes, g).await?;
+    let history = nodes[5]
+        .device
+        .sync_history(g)
+        .await
+        .map_err(|e| e.to_string())?;
+    nodes[5].drain();
+    println!(
+        "  fay got {} messages of the group's history (of {} allowed) from a co-member",
+        history.received, history.allowed
+    );
 
     let delivered: u64 = nodes.iter().map(|n| n.device.stats().delivered).sum();
     let duplicates: u64 = nodes.iter().map(|n| n.device.stats().duplicates).sum();

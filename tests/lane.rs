@@ -1150,10 +1150,6 @@ async fn a_hub_restored_from_an_older_copy_is_noticed_and_the_group_carries_on()
 /// give the hub back the commits they merged and carry on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restored_log_holding_only_junk_is_given_the_group_back() {
-    let shallow = |c: &mut hubsync::hub::HubConfig| {
-        unthrottled(c);
-        c.limits.max_log_depth = 3;
-    };
     let dir = tempfile::tempdir().unwrap();
     let hub = TestHub::start_at(dir.path(), "127.0.0.1:0", shallow)
         .await
@@ -2196,13 +2192,14 @@ fn entries_once(d: &TestDevice, g: GroupId) {
 
 /// A hub that keeps 3 frames a log, so a device away for a few commits
 /// finds its log trimmed.
+/// An unthrottled hub that keeps 3 frames per log.
+fn shallow(c: &mut hubsync::hub::HubConfig) {
+    unthrottled(c);
+    c.limits.max_log_depth = 3;
+}
+
 async fn shallow_hub() -> TestHub {
-    TestHub::start_with(|c| {
-        unthrottled(c);
-        c.limits.max_log_depth = 3;
-    })
-    .await
-    .unwrap()
+    TestHub::start_with(shallow).await.unwrap()
 }
 
 /// Reopen `c`, closed while `g` moved past the log's depth, and wait until
@@ -2454,10 +2451,6 @@ async fn a_removed_member_refused_by_too_few_asks_again_until_most_refuse() {
 /// later (sim seed 1059, whose gather waited past the end of the run).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stranded_member_asks_again_as_soon_as_its_hub_is_back() {
-    let shallow = |c: &mut hubsync::hub::HubConfig| {
-        unthrottled(c);
-        c.limits.max_log_depth = 3;
-    };
     let dir = tempfile::tempdir().unwrap();
     let hub = TestHub::start_at(dir.path(), "127.0.0.1:0", shallow)
         .await

@@ -74,6 +74,24 @@ fn procedures() -> Procedures {
         })
 }
 
+/// Call the streamed "blob" procedure and check that all of it arrives,
+/// once and in order.
+async fn read_blob(t: &hubsync::device::Tunnel) {
+    let mut s = t.call_stream("blob", Vec::new()).await.unwrap();
+    let mut got = 0;
+    while let Some(r) = tokio::time::timeout(WAIT, s.next())
+        .await
+        .expect("the stream stalled")
+    {
+        assert!(
+            r.unwrap() == chunk(got),
+            "response {got} out of order or bent"
+        );
+        got += 1;
+    }
+    assert_eq!(got, CHUNKS, "every response once");
+}
+
 /// A hub over a directory of its own, and its address, so the test can
 /// stop it and start it again where the devices expect it.
 async fn restartable_hub() -> (tempfile::TempDir, TestHub, String) {
@@ -146,19 +164,7 @@ async fn a_tunnel_carries_ten_mib_in_order_across_a_hub_restart() {
         .faults()
         .lose_tunnel_frames
         .store(40, std::sync::atomic::Ordering::SeqCst);
-    let mut s = t.call_stream("blob", Vec::new()).await.unwrap();
-    let mut got = 0;
-    while let Some(r) = tokio::time::timeout(WAIT, s.next())
-        .await
-        .expect("the stream stalled")
-    {
-        assert!(
-            r.unwrap() == chunk(got),
-            "response {got} out of order or bent"
-        );
-        got += 1;
-    }
-    assert_eq!(got, CHUNKS, "every response once");
+    read_blob(&t).await;
     b.manager()
         .faults()
         .lose_tunnel_frames
@@ -379,19 +385,7 @@ async fn a_tunnel_paced_by_the_hubs_rate_limit_loses_nothing() {
     b.serve(procedures());
     let t = a.open_tunnel(g, b.id()).await.unwrap();
     for _ in 0..2 {
-        let mut s = t.call_stream("blob", Vec::new()).await.unwrap();
-        let mut got = 0;
-        while let Some(r) = tokio::time::timeout(WAIT, s.next())
-            .await
-            .expect("the stream stalled")
-        {
-            assert!(
-                r.unwrap() == chunk(got),
-                "response {got} out of order or bent"
-            );
-            got += 1;
-        }
-        assert_eq!(got, CHUNKS);
+        read_blob(&t).await;
     }
     let refused = hub.hub().metrics().rate_limited.device;
     assert!(refused > 0, "the hub's rate limit was met");
