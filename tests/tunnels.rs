@@ -225,7 +225,15 @@ async fn a_removed_members_tunnel_closes_and_cannot_be_reopened() {
         Err(TunnelError::Closed(_))
     ));
     in_step(&a, &[&b], g).await;
-    assert!(b.manager().tunnels(g).is_empty(), "b holds no tunnel to c");
+    // b closes its end when it reads the removal (or when c's close comes).
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while !b.manager().tunnels(g).is_empty() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "b holds no tunnel to c"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     match c.open_tunnel(g, b.id()).await {
         Err(TunnelError::NoAnswer) | Err(TunnelError::Device(_)) => {}
         Ok(_) => panic!("a removed member opened a tunnel"),
@@ -371,13 +379,21 @@ async fn an_idle_tunnel_closes() {
     }
 }
 
-/// Under the hub's default limits (20 publishes a second per device, a
-/// burst of 50), 20 MiB of responses run into the rate limit: the sender
-/// holds its frames for the time the hub asks and sends them again, and
-/// every response still arrives once, in order.
+/// Under the hub's default rate (20 publishes a second per device) with a
+/// burst of 10, below the tunnel's window of 16 chunks, 20 MiB of
+/// responses run into the rate limit: the sender holds its frames for the
+/// time the hub asks and sends them again, and every response still
+/// arrives once, in order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tunnel_paced_by_the_hubs_rate_limit_loses_nothing() {
-    let hub = TestHub::start().await.unwrap();
+    let hub = TestHub::start_with(|c| {
+        c.limits.device_rate = hubsync::hub::Rate {
+            per_sec: 20.0,
+            burst: 10.0,
+        }
+    })
+    .await
+    .unwrap();
     let u = vec![hub.url().to_string()];
     let a = TestDevice::open(&u).await.unwrap();
     let b = TestDevice::open(&u).await.unwrap();
