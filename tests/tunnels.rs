@@ -24,23 +24,36 @@ async fn until_joined(d: &TestDevice, g: GroupId) {
     }
 }
 
+/// An unthrottled hub.
+async fn unthrottled_hub() -> TestHub {
+    TestHub::start_with(|c| c.limits = Limits::unthrottled())
+        .await
+        .unwrap()
+}
+
+/// `by` invites `d` into `g` (retrying while `d` has no key package up
+/// yet), and `d` joins.
+async fn invite(by: &TestDevice, g: GroupId, d: &TestDevice) {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        match by.invite(g, d.id()).await {
+            Ok(_) => break,
+            Err(hubsync::device::CommitError::NoKeyPackage(_))
+                if tokio::time::Instant::now() < deadline =>
+            {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("invite failed: {e}"),
+        }
+    }
+    until_joined(d, g).await;
+}
+
 /// `creator`'s group with every other device in it, all at one epoch.
 async fn group_of(creator: &TestDevice, others: &[&TestDevice], hubs: &[String]) -> GroupId {
     let g = creator.create_group(hubs).await.unwrap();
     for d in others {
-        let deadline = tokio::time::Instant::now() + WAIT;
-        loop {
-            match creator.invite(g, d.id()).await {
-                Ok(_) => break,
-                Err(hubsync::device::CommitError::NoKeyPackage(_))
-                    if tokio::time::Instant::now() < deadline =>
-                {
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
-                Err(e) => panic!("invite failed: {e}"),
-            }
-        }
-        until_joined(d, g).await;
+        invite(creator, g, d).await;
     }
     in_step(creator, others, g).await;
     g
@@ -190,9 +203,7 @@ async fn a_tunnel_carries_ten_mib_in_order_across_a_hub_restart() {
 /// nothing declines.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_removed_members_tunnel_closes_and_cannot_be_reopened() {
-    let hub = TestHub::start_with(|c| c.limits = Limits::unthrottled())
-        .await
-        .unwrap();
+    let hub = unthrottled_hub().await;
     let u = vec![hub.url().to_string()];
     let a = TestDevice::open(&u).await.unwrap();
     let b = TestDevice::open(&u).await.unwrap();
@@ -259,9 +270,7 @@ async fn a_removed_members_tunnel_closes_and_cannot_be_reopened() {
 /// group cannot open one in it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stranger_cannot_open_a_tunnel() {
-    let hub = TestHub::start_with(|c| c.limits = Limits::unthrottled())
-        .await
-        .unwrap();
+    let hub = unthrottled_hub().await;
     let u = vec![hub.url().to_string()];
     let a = TestDevice::open(&u).await.unwrap();
     let b = TestDevice::open(&u).await.unwrap();
@@ -358,9 +367,7 @@ fn forged_open(
 /// A tunnel nobody uses closes after the idle timeout, on both sides.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_tunnel_closes() {
-    let hub = TestHub::start_with(|c| c.limits = Limits::unthrottled())
-        .await
-        .unwrap();
+    let hub = unthrottled_hub().await;
     let u = vec![hub.url().to_string()];
     let mut oa = device_options(&u);
     oa.manager.tunnel_idle_timeout = Duration::from_secs(2);
@@ -413,9 +420,7 @@ async fn a_tunnel_paced_by_the_hubs_rate_limit_loses_nothing() {
 /// nothing twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn history_sync_delivers_exactly_the_allowed_messages_once() {
-    let hub = TestHub::start_with(|c| c.limits = Limits::unthrottled())
-        .await
-        .unwrap();
+    let hub = unthrottled_hub().await;
     let u = vec![hub.url().to_string()];
     let a = TestDevice::open(&u).await.unwrap();
     let b = TestDevice::open(&u).await.unwrap();
@@ -437,19 +442,7 @@ async fn history_sync_delivers_exactly_the_allowed_messages_once() {
     a.remove(g, s.id()).await.unwrap();
 
     let c = TestDevice::open(&u).await.unwrap();
-    let deadline = tokio::time::Instant::now() + WAIT;
-    loop {
-        match a.invite(g, c.id()).await {
-            Ok(_) => break,
-            Err(hubsync::device::CommitError::NoKeyPackage(_))
-                if tokio::time::Instant::now() < deadline =>
-            {
-                tokio::time::sleep(Duration::from_millis(100)).await
-            }
-            Err(e) => panic!("{e}"),
-        }
-    }
-    until_joined(&c, g).await;
+    invite(&a, g, &c).await;
     in_step(&a, &[&b, &c], g).await;
 
     let off = c.sync_history(g).await.unwrap();

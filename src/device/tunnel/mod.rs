@@ -921,7 +921,7 @@ impl GroupPeerManager {
         } else {
             self.shared
                 .tasks
-                .spawn(async move { read_responses(l, in_rx).await });
+                .spawn(async move { me.read_responses(l, in_rx).await });
         }
         Ok(live)
     }
@@ -1153,32 +1153,38 @@ enum SendError {
     Link(super::link::LinkError),
 }
 
-/// The calling side's procedure layer: hand each response to its call.
-async fn read_responses(live: Arc<Live>, mut from_peer: mpsc::Receiver<Vec<u8>>) {
-    while let Some(m) = from_peer.recv().await {
-        let (id, item, end) = match postcard::from_bytes::<Rpc>(&m) {
-            Ok(Rpc::Item { id, body }) => (id, Some(Ok(body)), false),
-            Ok(Rpc::End { id, failure }) => (
-                id,
-                failure.map(|f| {
-                    Err(match f {
-                        RpcFailure::NoSuchProcedure(n) => TunnelError::NoSuchProcedure(n),
-                        RpcFailure::Failed(why) => TunnelError::Failed(why),
-                    })
-                }),
-                true,
-            ),
-            // The serving side sends no calls; anything else is dropped.
-            Ok(Rpc::Call { .. }) | Err(_) => continue,
-        };
-        let tx = if end {
-            lock(&live.calls).remove(&id)
-        } else {
-            lock(&live.calls).get(&id).cloned()
-        };
-        if let (Some(tx), Some(item)) = (tx, item) {
-            // A caller that dropped its stream gets nothing more.
-            let _ = tx.send(item).await;
+impl GroupPeerManager {
+    /// The calling side's procedure layer: hand each response to its call.
+    async fn read_responses(&self, live: Arc<Live>, mut from_peer: mpsc::Receiver<Vec<u8>>) {
+        while let Some(m) = from_peer.recv().await {
+            let (id, item, end) = match postcard::from_bytes::<Rpc>(&m) {
+                Ok(Rpc::Item { id, body }) => (id, Some(Ok(body)), false),
+                Ok(Rpc::End { id, failure }) => (
+                    id,
+                    failure.map(|f| {
+                        Err(match f {
+                            RpcFailure::NoSuchProcedure(n) => TunnelError::NoSuchProcedure(n),
+                            RpcFailure::Failed(why) => TunnelError::Failed(why),
+                        })
+                    }),
+                    true,
+                ),
+                // The serving side sends no calls; anything else is dropped,
+                // and counted.
+                Ok(Rpc::Call { .. }) | Err(_) => {
+                    self.shared.counters.dropped.fetch_add(1, Ordering::Relaxed);
+                    continue;
+                }
+            };
+            let tx = if end {
+                lock(&live.calls).remove(&id)
+            } else {
+                lock(&live.calls).get(&id).cloned()
+            };
+            if let (Some(tx), Some(item)) = (tx, item) {
+                // A caller that dropped its stream gets nothing more.
+                let _ = tx.send(item).await;
+            }
         }
     }
 }
