@@ -1320,6 +1320,91 @@ async fn a_mover_whose_move_lost_its_place_on_the_restored_old_hub_rejoins() {
     assert_eq!(wb.stranded(), 0, "b won its epoch");
 }
 
+/// As above, but the mover also invited c on the new hub and committed
+/// there after: the lost move took c's branch with it, and c, reading
+/// only its own commit log (it joined after the move), cannot see that.
+/// The mover's rejoin request names the branch it lost (sim seed 600):
+/// c learns from it, strands instead of answering, and the mover rejoins
+/// where the group went on, not on c's branch, however much further on c
+/// is. c, not a member of that branch, is told it was removed (its invite
+/// was lost with the branch), and can be invited again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_brought_along_on_a_lost_branch_learns_it_from_the_rejoin_request() {
+    let dir = tempfile::tempdir().unwrap();
+    let h0 = hub_at(dir.path(), "127.0.0.1:0").await;
+    let addr = h0.addr().to_string();
+    let h1 = TestHub::start_with(unthrottled).await.unwrap();
+    let u = vec![h0.url().to_string(), h1.url().to_string()];
+    let mut a = TestDevice::open(&u).await.unwrap();
+    let mut b = TestDevice::open(&u).await.unwrap();
+    // c's refusals are counted at its deadline.
+    let mut oc = device_options(&u);
+    oc.manager.rejoin_deadline = Duration::from_secs(3);
+    let c = TestDevice::open_with(oc).await.unwrap();
+    let wb = Watch::new(&b);
+    let wc = Watch::new(&c);
+    let g = group_of(&a, &[(&b, &wb)], &u).await;
+    let (e, _) = agree(&[&a, &b], g).await;
+
+    h0.stop().await;
+    let copy = tempfile::tempdir().unwrap();
+    copy_dir(dir.path(), copy.path());
+    let h0 = hub_at(dir.path(), &addr).await;
+
+    // The branch b will not see: the move, c's invite, and commits after,
+    // so c is further on than b will be.
+    b.close().await;
+    a.set_commit_hub(g, &u[1]).await.unwrap();
+    invite_with_retry(&a, g, c.id()).await;
+    wc.until(
+        "c joined",
+        |ev| matches!(ev, Event::GroupJoined { group, .. } if *group == g),
+    )
+    .await;
+    for _ in 0..3 {
+        a.rotate_keys(g).await.unwrap();
+    }
+    converge(&[&a, &c], g).await;
+    a.close().await;
+    h0.stop().await;
+    let _h0 = hub_at(copy.path(), &addr).await;
+
+    b.reopen().await.unwrap();
+    let wb = Watch::new(&b);
+    let r = b.rotate_keys(g).await.unwrap();
+    assert_eq!(r.outcome.epoch, e + 1, "b's commit took the move's place");
+
+    a.reopen().await.unwrap();
+    let wa = Watch::new(&a);
+    wa.until_stranded(g, "a learns its move lost its place")
+        .await;
+    wc.until_stranded(g, "c learns from a's request that its branch was lost")
+        .await;
+    wa.until_rejoined(g, "a rejoins").await;
+    let removed = |ev: &Event| matches!(ev, Event::Removed { group } if *group == g);
+    wc.until("c told it is not a member", removed).await;
+    agree(&[&a, &b], g).await;
+    carry_on(&a, &[&a, &b], &[&wb], g, b"a after its rejoin").await;
+    assert_eq!(wb.stranded(), 0, "b won its epoch");
+
+    let wc = Watch::from_now(&c);
+    invite_with_retry(&a, g, c.id()).await;
+    wc.until(
+        "c joined again",
+        |ev| matches!(ev, Event::GroupJoined { group, .. } if *group == g),
+    )
+    .await;
+    agree(&[&a, &b, &c], g).await;
+    carry_on(
+        &c,
+        &[&a, &b, &c],
+        &[&wa, &wb],
+        g,
+        b"c on the group's branch",
+    )
+    .await;
+}
+
 /// A member offline while its hub lost its store, during which the group
 /// committed as many times as that member had read: its cursor is no
 /// longer above the new head, so only the hub's new store identity can
@@ -2749,6 +2834,96 @@ async fn forge_after_request(
         }
         posted
     })
+}
+
+/// A rejoin request that names a lost branch strands the members holding
+/// one of its seeds, so only a device in their tree is heard. A removed
+/// member knows a seed the members still hold (that of the log its removal
+/// was committed on) and signs a request naming it as lost; a stranger
+/// does the same in its own name. The members refuse both (neither is in
+/// their tree) and nobody strands.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removed_member_naming_a_lost_branch_strands_nobody() {
+    use ed25519_dalek::Signer;
+    use hubsync::device::rejoin::{lost_branch_mark, LostBranch, RejoinRequest, RendezvousFrame};
+    let hubs = hubs(1).await;
+    let u = urls(&hubs);
+    let a = TestDevice::open(&u).await.unwrap();
+    let b = TestDevice::open(&u).await.unwrap();
+    let mut c = TestDevice::open(&u).await.unwrap();
+    let (wb, wc) = (Watch::new(&b), Watch::new(&c));
+    let g = group_of(&a, &[(&b, &wb), (&c, &wc)], &u).await;
+    agree(&[&a, &b, &c], g).await;
+    let rec = c.manager().record(g).unwrap();
+    let (seed, topic) = (
+        rec.commit_seed,
+        hubsync::device::topics::rendezvous_topic(&rec.rendezvous_seed.expect("a seed")),
+    );
+    let cid = c.id();
+    c.close().await;
+    let c_key = {
+        let kv: Arc<dyn KvStore> = Arc::new(open_sled(c.dir()).await.unwrap());
+        let id = DeviceIdentity::load(&*kv).unwrap().expect("c's identity");
+        id.signing_key().clone()
+    };
+    a.remove(g, cid).await.unwrap();
+    let (e, _) = agree(&[&a, &b], g).await;
+    let (wa, wb) = (Watch::from_now(&a), Watch::from_now(&b));
+    assert!(
+        a.manager()
+            .record(g)
+            .unwrap()
+            .merged
+            .iter()
+            .any(|k| k.commit_seed == Some(seed)),
+        "the members still hold the seed c names"
+    );
+
+    let stranger = signing_key(4646);
+    let client = hubs[0].client(&stranger).await.unwrap();
+    client.subscribe(&topic, None).await.unwrap();
+    let mut pushes = client.take_pushes().expect("the push stream");
+    client.receive().await.unwrap();
+    for (n, key) in [&c_key, &stranger].into_iter().enumerate() {
+        let mut request = RejoinRequest {
+            group: g,
+            device: DeviceId(key.verifying_key().to_bytes()),
+            nonce: [n as u8 + 1; 16],
+            hpke_public: vec![9; 32],
+            lost: Some(LostBranch {
+                from: e - 1,
+                marks: vec![lost_branch_mark(&g, &seed)],
+            }),
+            signature: Vec::new(),
+        };
+        request.signature = key.sign(&request.signed_bytes()).to_bytes().to_vec();
+        let mut p = unsigned_publish(
+            &topic,
+            700 + n as u64,
+            postcard::to_stdvec(&RendezvousFrame::Request(request)).unwrap(),
+        );
+        p.class = RetentionClass::Mailbox;
+        p.retention_secs = Some(60);
+        accepted_seq(client.publish(p).await.unwrap());
+    }
+    // Both members refuse both requests: they read them, and judged them.
+    let mut refusals = std::collections::BTreeSet::new();
+    while refusals.len() < 4 {
+        let push = tokio::time::timeout(WAIT, pushes.recv())
+            .await
+            .expect("the refusals in time")
+            .expect("push stream open");
+        let Push::Delivery(d) = push else { continue };
+        client.ack(vec![d.frame_ref()]).await.unwrap();
+        if let Ok(RendezvousFrame::Refusal(f)) = postcard::from_bytes(&d.payload) {
+            refusals.insert((f.from, f.to));
+        }
+    }
+    assert_eq!(wa.stranded() + wb.stranded(), 0, "nobody stranded");
+    assert!(!a.manager().record(g).unwrap().stranded);
+    assert!(!b.manager().record(g).unwrap().stranded);
+    b.rotate_keys(g).await.unwrap();
+    agree(&[&a, &b], g).await;
 }
 
 /// Rejoin answers carry their epoch in the clear, and members drop their

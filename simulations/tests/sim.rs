@@ -540,6 +540,18 @@ fn all_faults_giving_back_to_a_log_of_junk_does_not_loop() {
     holds_with_all_faults(1145);
 }
 
+/// Seed 600: hub1 was restored from a copy older than dev1's commit that
+/// invited dev3, and dev0 committed in its place there; dev1 found its
+/// commit lost on that former log and stranded, but dev3, which had
+/// joined on dev1's branch and read only its newer log, answered dev1's
+/// rejoin from that branch: two branches lived on. The request names the
+/// lost branch now; dev3 learns it from it, and dev1 takes no answer
+/// from it.
+#[test]
+fn all_faults_a_member_brought_along_on_a_lost_branch_learns_it() {
+    holds_with_all_faults(600);
+}
+
 fn holds_with_all_faults(seed: u64) -> serde_json::Value {
     let r = run_in_process(seed, 30, "all");
     assert_eq!(r["violations"], serde_json::json!([]), "seed {seed}");

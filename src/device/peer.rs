@@ -1131,6 +1131,7 @@ impl GroupPeerManager {
             cursor_digests: std::collections::BTreeMap::new(),
             rendezvous_seed: Some(ext.topic_seed),
             lost_from: None,
+            lost_seeds: Vec::new(),
             caught_up_at_ms: 0,
             // The Welcome may be one posted again after a restore, on a
             // commit log the restore emptied: only the members can say
@@ -1232,6 +1233,7 @@ impl GroupPeerManager {
             cursor_digests: std::collections::BTreeMap::new(),
             rendezvous_seed: Some(topic_seed),
             lost_from: None,
+            lost_seeds: Vec::new(),
             caught_up_at_ms: 0,
             probe_owed: false,
         };

@@ -103,6 +103,14 @@ pub struct GroupRecord {
     /// ([`Records::sent_since`]). `None`: nothing known lost.
     #[serde(default)]
     pub lost_from: Option<u64>,
+    /// The commit seeds this device drew on the branch it lost, after its
+    /// displaced commit ([`GroupRecord::note_lost_branch`]): exporter
+    /// secrets of epochs only that branch has, so a member holding one is
+    /// on that branch too. Its rejoin request names them (hashed) so such
+    /// members learn their branch was lost, and it takes no GroupInfo from
+    /// one. Emptied when a rejoin lands.
+    #[serde(default)]
+    pub lost_seeds: Vec<[u8; 32]>,
     /// When a pull last found this device at the end of the group's commit
     /// log (ms on this device's clock; kept to within
     /// `CAUGHT_UP_GRANULARITY_MS`, so a busy group's record is not written
@@ -139,6 +147,10 @@ pub struct MergedCommit {
     #[serde(default)]
     pub commit_seed: Option<[u8; 32]>,
 }
+
+/// Commit seeds of a lost branch remembered per group
+/// ([`GroupRecord::lost_seeds`]).
+pub const LOST_SEEDS_KEPT: usize = 8;
 
 /// Merged commits remembered per group.
 pub const MERGED_KEPT: usize = 16;
@@ -230,6 +242,44 @@ impl GroupRecord {
     /// earliest such epoch is kept).
     pub fn note_lost_from(&mut self, epoch: u64) {
         self.lost_from = Some(self.lost_from.map_or(epoch, |e| e.min(epoch)));
+    }
+
+    /// This device's commit `lost` lost its place to a member's: its
+    /// branch is lost from the next epoch on, and the commit seeds it drew
+    /// on that branch after `lost` are remembered (at most
+    /// [`LOST_SEEDS_KEPT`], the newest). Seeds only move forward along a
+    /// branch, so every seed of a commit after `lost` other than `lost`'s
+    /// own, and the current one if it differs, came after it.
+    pub fn note_lost_branch(&mut self, lost: &MergedCommit) {
+        self.note_lost_from(lost.epoch + 1);
+        let mut after: Vec<&MergedCommit> = self
+            .merged
+            .iter()
+            .filter(|k| k.epoch > lost.epoch)
+            .collect();
+        after.sort_by_key(|k| k.epoch);
+        let seeds = after
+            .into_iter()
+            .filter_map(|k| k.commit_seed)
+            .chain(std::iter::once(self.commit_seed));
+        for s in seeds {
+            if Some(s) != lost.commit_seed && !self.lost_seeds.contains(&s) {
+                self.lost_seeds.push(s);
+            }
+        }
+        let cut = self.lost_seeds.len().saturating_sub(LOST_SEEDS_KEPT);
+        self.lost_seeds.drain(..cut);
+    }
+
+    /// Whether this device holds one of `seeds` (its current commit seed,
+    /// or that of a commit it remembers merging): it is on that branch.
+    pub fn holds_any_seed(&self, seeds: impl Fn(&[u8; 32]) -> bool) -> bool {
+        seeds(&self.commit_seed)
+            || self
+                .merged
+                .iter()
+                .filter_map(|k| k.commit_seed.as_ref())
+                .any(&seeds)
     }
 
     /// Remember a merged commit.

@@ -47,6 +47,7 @@ use openmls_traits::crypto::OpenMlsCrypto;
 use openmls_traits::types::HpkeCiphertext;
 use openmls_traits::OpenMlsProvider;
 use serde::{Deserialize, Serialize};
+use sha2::{Digest as _, Sha256};
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -133,19 +134,67 @@ pub struct RejoinRequest {
     /// A fresh HPKE public key (the group's ciphersuite's KEM).
     #[serde(with = "serde_bytes")]
     pub hpke_public: Vec<u8>,
+    /// The branch the requester knows it lost, if it drew commit seeds on
+    /// it: members on that branch learn from it that they lost it too.
+    pub lost: Option<LostBranch>,
     /// ed25519 by `device` over [`RejoinRequest::signed_bytes`].
     #[serde(with = "serde_bytes")]
     pub signature: Vec<u8>,
 }
 
+/// A branch of the group its requester lost: a member's commit took the
+/// place of the requester's, framed in epoch `from - 1`, on a log the
+/// requester no longer read, while it (and any member it brought along)
+/// went on at epochs only that branch has.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LostBranch {
+    /// The branch's first epoch.
+    pub from: u64,
+    /// [`lost_branch_mark`] of each commit seed the requester drew on the
+    /// branch (at most [`MAX_LOST_MARKS`]): only a device that was in one
+    /// of those epochs can match one, and neither the hub nor anyone else
+    /// can learn a seed from it.
+    pub marks: Vec<[u8; 32]>,
+}
+
+/// The most marks a [`LostBranch`] may carry; a request with more is
+/// dropped.
+pub const MAX_LOST_MARKS: usize = crate::device::records::LOST_SEEDS_KEPT;
+
+/// Domain of [`lost_branch_mark`].
+const LOST_MARK_DOMAIN: &[u8] = b"hubsync lost branch v1";
+
+/// The mark of commit seed `seed` of `group`: SHA-256 of the domain, the
+/// group id and the seed.
+pub fn lost_branch_mark(group: &GroupId, seed: &[u8; 32]) -> [u8; 32] {
+    let mut h = Sha256::new();
+    h.update(LOST_MARK_DOMAIN);
+    h.update(group.0);
+    h.update(seed);
+    h.finalize().into()
+}
+
 impl RejoinRequest {
-    /// What the signature covers: the domain, then every other field.
+    /// What the signature covers: the domain, then every other field
+    /// (`lost` as a byte 0 when absent, else 1, `from` big-endian, the
+    /// number of marks as one byte, and the marks).
     pub fn signed_bytes(&self) -> Vec<u8> {
         let mut m = REQUEST_DOMAIN.to_vec();
         m.extend_from_slice(&self.group.0);
         m.extend_from_slice(&self.device.0);
         m.extend_from_slice(&self.nonce);
         m.extend_from_slice(&self.hpke_public);
+        match &self.lost {
+            None => m.push(0),
+            Some(l) => {
+                m.push(1);
+                m.extend_from_slice(&l.from.to_be_bytes());
+                m.push(u8::try_from(l.marks.len()).unwrap_or(u8::MAX));
+                for mark in &l.marks {
+                    m.extend_from_slice(mark);
+                }
+            }
+        }
         m
     }
 
@@ -571,11 +620,23 @@ impl GroupPeerManager {
         let mut nonce = [0u8; 16];
         self.shared.rng.fill(&mut nonce);
         let me = &self.shared.identity;
+        let lost = rec
+            .lost_from
+            .filter(|_| !rec.lost_seeds.is_empty())
+            .map(|from| LostBranch {
+                from,
+                marks: rec
+                    .lost_seeds
+                    .iter()
+                    .map(|s| lost_branch_mark(&group, s))
+                    .collect(),
+            });
         let mut request = RejoinRequest {
             group,
             device: me.id(),
             nonce,
             hpke_public: keys.public.clone(),
+            lost,
             signature: Vec::new(),
         };
         request.signature = me.sign(&request.signed_bytes()).to_bytes().to_vec();
@@ -782,6 +843,13 @@ impl GroupPeerManager {
         let me = &self.shared.identity;
         let mut guard = self.shared.registry.lock(group).await;
         let mut rec = self.record(group)?;
+        // A member still on the branch this device lost answers from it
+        // (it has not learned yet, or the request reached it unmarked).
+        if rec.lost_seeds.contains(&grant.commit_seed) {
+            return Err(JoinFailure::Refused(
+                "the answer is from the branch this device lost".into(),
+            ));
+        }
         let stale_journal = self.shared.records.journal(&group)?;
         // Everything below is staged: nothing replaces the old state until
         // the hub accepted the commit.
@@ -873,6 +941,7 @@ impl GroupPeerManager {
         // Accepted: the new state, and a record that starts over on the
         // log the commit moved the group to.
         rec.stranded = false;
+        rec.lost_seeds.clear();
         rec.rendezvous_seed = Some(seed);
         rec.commit_hub = grant.commit_hub.clone();
         rec.merged.clear();
@@ -1095,7 +1164,11 @@ impl GroupPeerManager {
         };
         match frame {
             RendezvousFrame::Request(r) => {
-                if r.group != group || r.device == me || !r.verify() {
+                let too_many = r
+                    .lost
+                    .as_ref()
+                    .is_some_and(|l| l.marks.len() > MAX_LOST_MARKS);
+                if r.group != group || r.device == me || too_many || !r.verify() {
                     self.shared.counters.dropped.fetch_add(1, Ordering::Relaxed);
                     return;
                 }
@@ -1209,7 +1282,23 @@ impl GroupPeerManager {
         if rec.stranded || cancel.is_cancelled() {
             return Ok(());
         }
-        let frame = if self.member_set(&mut guard)?.contains(&r.device) {
+        let requester_is_member = self.member_set(&mut guard)?.contains(&r.device);
+        if let Some(lost) = r.lost.as_ref().filter(|_| requester_is_member) {
+            let marks: BTreeSet<[u8; 32]> = lost.marks.iter().copied().collect();
+            if rec.holds_any_seed(|s| marks.contains(&lost_branch_mark(&group, s))) {
+                // The requester's commit lost its place on a log this
+                // device never read (it joined after it, or followed it
+                // on a newer topic); its branch is ours. Strand, and
+                // rejoin the group where it went on.
+                tracing::warn!(%group, from = lost.from, requester = %r.device, "stranded: a member says the branch this device is on was lost");
+                let mut rec = rec;
+                rec.note_lost_from(lost.from);
+                return self
+                    .strand(&mut guard, &mut rec)
+                    .map_err(|e| DeviceError::Store(e.to_string()));
+            }
+        }
+        let frame = if requester_is_member {
             let info = guard
                 .read(|g| g.export_group_info(crypto, me.signature_key_pair(), true))?
                 .map_err(|e| DeviceError::Mls(e.to_string()))?
@@ -1287,10 +1376,24 @@ mod tests {
             device: DeviceId(k.verifying_key().to_bytes()),
             nonce: [2; 16],
             hpke_public: vec![9; 32],
+            lost: Some(LostBranch {
+                from: 7,
+                marks: vec![lost_branch_mark(&GroupId([1; 32]), &[6; 32])],
+            }),
             signature: Vec::new(),
         };
         r.signature = k.sign(&r.signed_bytes()).to_bytes().to_vec();
         assert!(r.verify());
+        // The lost branch is signed too: dropped, moved, or a mark changed.
+        let mut unlost = r.clone();
+        unlost.lost = None;
+        assert!(!unlost.verify());
+        let mut earlier = r.clone();
+        earlier.lost.as_mut().unwrap().from = 6;
+        assert!(!earlier.verify());
+        let mut remarked = r.clone();
+        remarked.lost.as_mut().unwrap().marks[0][0] ^= 1;
+        assert!(!remarked.verify());
         // Another key, a changed field, a truncated signature.
         let mut forged = r.clone();
         forged.signature = other.sign(&r.signed_bytes()).to_bytes().to_vec();

@@ -447,7 +447,11 @@ impl GroupPeerManager {
             .map_err(|e| crate::device::DeviceError::Store(e.to_string()))
     }
 
-    fn strand(&self, guard: &mut GroupGuard, rec: &mut GroupRecord) -> Result<(), PullError> {
+    pub(crate) fn strand(
+        &self,
+        guard: &mut GroupGuard,
+        rec: &mut GroupRecord,
+    ) -> Result<(), PullError> {
         if !rec.stranded {
             rec.stranded = true;
             // What this device sent since it last knew itself at the log's
@@ -539,7 +543,7 @@ impl GroupPeerManager {
                 // and giving ours back after it would leave two commits of
                 // one epoch on the log.
                 if !current && self.lost_fork_on(group, link, topic, k).await? {
-                    self.strand_lost_fork(group, k.epoch).await?;
+                    self.strand_lost_fork(group, k).await?;
                     return Ok(healed);
                 }
                 let mut publish = crate::wire::Publish {
@@ -580,7 +584,7 @@ impl GroupPeerManager {
                             // No later pull reads this log to judge what
                             // took the place: judge it here.
                             if self.lost_fork_on(group, link, topic, k).await? {
-                                self.strand_lost_fork(group, k.epoch).await?;
+                                self.strand_lost_fork(group, k).await?;
                                 return Ok(healed);
                             }
                             placed.push((k.epoch, None));
@@ -605,13 +609,15 @@ impl GroupPeerManager {
         Ok(healed)
     }
 
-    /// This device's commit framed in `epoch` lost its place to a member's:
-    /// strand, and note that what it encrypted from `epoch + 1` on is lost.
-    async fn strand_lost_fork(&self, group: GroupId, epoch: u64) -> Result<(), PullError> {
-        tracing::warn!(%group, epoch, "stranded: a member's commit took the place of this device's on a former log");
+    /// This device's commit `lost` lost its place to a member's: strand,
+    /// and note that its branch from the next epoch on is lost (what it
+    /// encrypted there, and the commit seeds it drew there, which its
+    /// rejoin request names so the members still on that branch learn it).
+    async fn strand_lost_fork(&self, group: GroupId, lost: &MergedCommit) -> Result<(), PullError> {
+        tracing::warn!(%group, epoch = lost.epoch, "stranded: a member's commit took the place of this device's on a former log");
         let mut guard = self.shared.registry.lock(group).await;
         let mut rec = self.record(group)?;
-        rec.note_lost_from(epoch + 1);
+        rec.note_lost_branch(lost);
         self.save_record(&mut guard, &rec)?;
         self.strand(&mut guard, &mut rec)
     }
