@@ -469,3 +469,180 @@ async fn history_sync_delivers_exactly_the_allowed_messages_once() {
     assert_eq!((again.received, again.duplicates), (0, 3));
     assert_eq!(c.messages(g, 0, 100).unwrap().len(), 3, "nothing twice");
 }
+
+/// Wait until `d`'s presence view of `g` satisfies `ok`.
+async fn presence_until(
+    d: &TestDevice,
+    g: GroupId,
+    what: &str,
+    ok: impl Fn(&[hubsync::device::presence::MemberPresence]) -> bool,
+) {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let p = d.presence(g).await.unwrap();
+        if ok(&p) {
+            return;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{what}: {p:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn live(p: &[hubsync::device::presence::MemberPresence], d: hubsync::wire::DeviceId) -> bool {
+    p.iter().any(|m| m.device == d && m.live)
+}
+
+/// Presence answers who is live, and on which hub: members learn of each
+/// other as they join, a device that stops says so, one that starts again
+/// asks who is there and is seen again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn presence_answers_who_is_live() {
+    let hub = unthrottled_hub().await;
+    let u = vec![hub.url().to_string()];
+    let mut a = TestDevice::open(&u).await.unwrap();
+    let b = TestDevice::open(&u).await.unwrap();
+    let mut c = TestDevice::open(&u).await.unwrap();
+    let g = group_of(&a, &[&b, &c], &u).await;
+    let (bid, cid) = (b.id(), c.id());
+    presence_until(&a, g, "a sees b and c", |p| live(p, bid) && live(p, cid)).await;
+    let p = a.presence(g).await.unwrap();
+    assert_eq!(p.len(), 2, "the others, not a itself");
+    assert!(p
+        .iter()
+        .all(|m| m.hubs[0].0 == u[0] && m.last_seen_ms.is_some()));
+    presence_until(&c, g, "c sees a and b", |p| live(p, a.id()) && live(p, bid)).await;
+
+    c.close().await;
+    presence_until(&a, g, "a sees c away", |p| live(p, bid) && !live(p, cid)).await;
+    let p = a.presence(g).await.unwrap();
+    assert_eq!(p[0].device, bid, "live first");
+    assert!(p[1].last_seen_ms.is_some(), "c was seen, and when");
+
+    // a starts again knowing nobody, and asks.
+    a.close().await;
+    a.reopen().await.unwrap();
+    presence_until(&a, g, "a restarted sees b", |p| live(p, bid)).await;
+    let p = a.presence(g).await.unwrap();
+    assert_eq!(p[1].device, cid);
+    assert_eq!(p[1].last_seen_ms, None, "not seen since a started");
+
+    c.reopen().await.unwrap();
+    presence_until(&a, g, "a sees c back", |p| live(p, bid) && live(p, cid)).await;
+}
+
+/// Only a member's own signed beacon counts: a stranger's beacon in its
+/// own name, and one in a member's name that the stranger signed, are
+/// dropped and counted, and the member that stopped stays away.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forged_beacon_makes_nobody_live() {
+    use ed25519_dalek::Signer;
+    use hubsync::device::presence::{PresenceBeacon, PresenceState};
+    use hubsync::device::rejoin::RendezvousFrame;
+    let hub = unthrottled_hub().await;
+    let u = vec![hub.url().to_string()];
+    let a = TestDevice::open(&u).await.unwrap();
+    let mut b = TestDevice::open(&u).await.unwrap();
+    let g = group_of(&a, &[&b], &u).await;
+    let bid = b.id();
+    presence_until(&a, g, "a sees b", |p| live(p, bid)).await;
+    let seed = a
+        .manager()
+        .record(g)
+        .unwrap()
+        .rendezvous_seed
+        .expect("a seed");
+    b.close().await;
+    presence_until(&a, g, "a sees b away", |p| !live(p, bid)).await;
+
+    let key = hubsync::testkit::signing_key(78);
+    let stranger = hubsync::wire::DeviceId(key.verifying_key().to_bytes());
+    let client = hub.client(&key).await.unwrap();
+    let dropped = a.stats().dropped;
+    for (n, device) in [stranger, bid].into_iter().enumerate() {
+        let mut beacon = PresenceBeacon {
+            group: g,
+            device,
+            at_ms: u64::MAX - 1,
+            state: PresenceState::Live,
+            ask: true,
+            signature: Vec::new(),
+        };
+        beacon.signature = key.sign(&beacon.signed_bytes()).to_bytes().to_vec();
+        let out = client
+            .publish(hubsync::wire::Publish {
+                publish_id: hubsync::wire::PublishId([n as u8 + 1; 32]),
+                topic: hubsync::device::topics::rendezvous_topic(&seed),
+                class: hubsync::wire::RetentionClass::Mailbox,
+                expected_head: hubsync::wire::ExpectedHead::Unconditional,
+                replay_only: false,
+                retention_secs: Some(60),
+                payload: postcard::to_stdvec(&RendezvousFrame::Presence(beacon)).unwrap(),
+                writer: None,
+            })
+            .await
+            .unwrap();
+        assert!(matches!(
+            out,
+            hubsync::wire::PublishOutcome::Accepted { .. }
+        ));
+    }
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while a.stats().dropped < dropped + 2 {
+        assert!(tokio::time::Instant::now() < deadline, "a never saw them");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let p = a.presence(g).await.unwrap();
+    assert_eq!(p.len(), 1, "members only");
+    assert!(!p[0].live, "b stays away: {p:?}");
+}
+
+/// History sync asks live members first: the member whose id comes first
+/// is away, and the joiner gets the history from the other at once,
+/// without waiting out a tunnel to the absent one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn history_sync_asks_a_live_member_first() {
+    let hub = unthrottled_hub().await;
+    let u = vec![hub.url().to_string()];
+    let mut a = TestDevice::open(&u).await.unwrap();
+    let mut b = TestDevice::open(&u).await.unwrap();
+    let c = TestDevice::open(&u).await.unwrap();
+    let g = group_of(&a, &[&b, &c], &u).await;
+    a.set_setting(g, hubsync::device::tunnel::history::SETTING, b"5")
+        .await
+        .unwrap();
+    for i in 0..2u8 {
+        c.send(g, &[b'h', i]).await.unwrap();
+    }
+    for d in [&a, &b] {
+        let deadline = tokio::time::Instant::now() + WAIT;
+        while d.messages(g, 0, 100).unwrap().len() < 2 {
+            assert!(tokio::time::Instant::now() < deadline, "messages");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    a.remove(g, c.id()).await.unwrap();
+    in_step(&a, &[&b], g).await;
+    // The away member is the one an id-ordered ask would try first.
+    let a_away = a.id() < b.id();
+    let (away_id, here_id) = if a_away {
+        (a.id(), b.id())
+    } else {
+        (b.id(), a.id())
+    };
+    let d = TestDevice::open(&u).await.unwrap();
+    invite(&a, g, &d).await;
+    in_step(&a, &[&b, &d], g).await;
+    if a_away {
+        a.close().await;
+    } else {
+        b.close().await;
+    }
+    presence_until(&d, g, "d sees who is live", |p| {
+        live(p, here_id) && !live(p, away_id)
+    })
+    .await;
+    let got = d.sync_history(g).await.unwrap();
+    assert_eq!(got.from, Some(here_id));
+    assert!(got.failed.is_empty(), "nobody absent was asked: {got:?}");
+    assert_eq!(got.received, 2);
+}

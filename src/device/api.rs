@@ -522,6 +522,18 @@ impl Device {
         self.manager.sync_history(group).await
     }
 
+    /// Where and when each co-member in `group` was last seen, live ones
+    /// first. See [`GroupPeerManager::presence`].
+    ///
+    /// # Errors
+    /// `UnknownGroup`, or reading the group's MLS state failing.
+    pub async fn presence(
+        &self,
+        group: GroupId,
+    ) -> Result<Vec<super::presence::MemberPresence>, DeviceError> {
+        self.manager.presence(group).await
+    }
+
     /// The hub a tunnel in `group` rides (the group's first bound hub).
     ///
     /// # Errors

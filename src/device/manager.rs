@@ -419,6 +419,11 @@ pub(super) struct Shared {
     /// out a backoff try again when it moves (the hub they could not reach
     /// may be back).
     pub links_up: watch::Sender<u64>,
+    /// What this device learned of its co-members' presence.
+    pub presence: Mutex<super::presence::PresenceBook>,
+    /// Per group and hub: when this device last said it is live there
+    /// (ms), so answers to several askers at once are one beacon.
+    pub presence_sent: Mutex<BTreeMap<(GroupId, String), u64>>,
     /// Test-only fault switches (see [`Faults`]).
     pub faults: Faults,
 }
@@ -581,6 +586,8 @@ impl GroupPeerManager {
                 tasks: TaskTracker::new(),
                 tunnels: Default::default(),
                 links_up: watch::Sender::new(0),
+                presence: Mutex::new(Default::default()),
+                presence_sent: Mutex::new(BTreeMap::new()),
                 faults: Faults::default(),
             }),
         }
@@ -625,6 +632,9 @@ impl GroupPeerManager {
             (o.0)(&e);
         }
         self.tunnels_follow(&e);
+        if let Event::Removed { group } = &e {
+            lock(&self.shared.presence).forget(*group);
+        }
         let _ = self.shared.events.send(e);
     }
 
@@ -941,7 +951,9 @@ impl GroupPeerManager {
     }
 
     /// Pull, each on a task of its own, every group that reads a log on
-    /// `url` (bound there, or holding a cursor there).
+    /// `url` (bound there, or holding a cursor there), and say in each
+    /// group bound there that this device is live on it
+    /// ([`super::presence`]).
     fn pull_groups_on(&self, url: &str) {
         let names: Vec<&str> = if url == self.shared.loopback_url {
             vec![url, LOOPBACK_HUB]
@@ -968,9 +980,17 @@ impl GroupPeerManager {
             }
             let me = self.clone();
             let group = rec.id;
+            let bound = url != self.shared.loopback_url && rec.hubs.iter().any(|h| h == url);
+            let url = url.to_string();
             self.shared.tasks.spawn(async move {
                 if let Err(e) = me.pull(group).await {
                     tracing::debug!(%group, error = %e, "pull after a reconnect failed; the periodic pull tries again");
+                }
+                if bound {
+                    if let Err(e) = me.announce_live(group, &url).await {
+                        me.shared.counters.control_failures.fetch_add(1, Ordering::Relaxed);
+                        tracing::debug!(%group, hub = url, error = %e, "presence beacon not posted");
+                    }
                 }
             });
         }
@@ -1212,7 +1232,12 @@ impl GroupPeerManager {
 
     /// Dispose every peer and link and wait for every task.
     pub async fn stop(&self) {
+        let first = !self.shared.shutdown.is_cancelled();
         self.shared.shutdown.cancel();
+        if first {
+            // After the cancel: no `Live` goes out after the `Away`.
+            self.announce_away().await;
+        }
         self.shared.tasks.close();
         self.shared.tasks.wait().await;
         let links: Vec<HubLink> = std::mem::take(&mut *lock(&self.shared.links))

@@ -20,6 +20,7 @@ pub mod manager;
 pub mod mls;
 pub mod outbox;
 mod peer;
+pub mod presence;
 pub mod probe;
 pub mod provider;
 pub mod records;

@@ -169,6 +169,12 @@ impl GroupPeerManager {
                         }
                     }),
                 );
+                if Some(topic) == t.rendezvous.as_ref()
+                    && hub != super::lane::LOOPBACK_HUB
+                    && hub != self.shared.loopback_url
+                {
+                    self.ask_presence_in_background(group, &hub, &link, &cancel);
+                }
                 if *topic != t.commit && Some(topic) != t.rendezvous.as_ref() {
                     // Frames published before we subscribed are only in
                     // the log: read it from where catch-up last stopped.

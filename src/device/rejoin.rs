@@ -120,6 +120,8 @@ pub enum RendezvousFrame {
     Probe(super::probe::EpochProbe),
     /// A member's answer to a probe.
     Status(super::probe::EpochStatus),
+    /// A member says where it is ([`super::presence`]).
+    Presence(super::presence::PresenceBeacon),
 }
 
 /// "I am `device`, left behind in `group`: seal me a GroupInfo to this key."
@@ -1231,6 +1233,15 @@ impl GroupPeerManager {
                 });
             }
             RendezvousFrame::Status(s) => self.on_status(group, s),
+            RendezvousFrame::Presence(b) => {
+                if b.group != group || b.device == me || !b.verify() {
+                    if b.device != me {
+                        self.shared.counters.dropped.fetch_add(1, Ordering::Relaxed);
+                    }
+                    return;
+                }
+                self.on_beacon(group, hub, b);
+            }
             RendezvousFrame::Refusal(f) => {
                 // Another member's refusal cancels nothing: the requester
                 // takes the refusals of most of the members it knows as

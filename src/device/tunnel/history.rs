@@ -105,14 +105,14 @@ impl GroupPeerManager {
         if allowed == 0 {
             return Ok(summary);
         }
-        let me = self.shared.identity.id();
-        let others: Vec<DeviceId> = {
-            let mut guard = self.shared.registry.lock(group).await;
-            self.member_set(&mut guard)?
-                .into_iter()
-                .filter(|d| *d != me)
-                .collect()
-        };
+        // Live members first (presence), then the most recently seen: an
+        // offline member costs a tunnel's whole open deadline.
+        let others: Vec<DeviceId> = self
+            .presence(group)
+            .await?
+            .into_iter()
+            .map(|m| m.device)
+            .collect();
         let mut last = TunnelError::NoAnswer;
         for member in others {
             match self
