@@ -2380,8 +2380,11 @@ async fn a_member_offline_past_the_logs_depth_rejoins_and_gathers_its_ledger() {
 /// A member offline while the hub trimmed its commit log finds, where
 /// the log starts now, only frames a stranger published, one of them a
 /// replay of the last commit the member merged. That copy sits after the
-/// trimmed commits and proves nothing about them: the member is stranded
-/// and heals (sim seed 1282), never left behind at its old epoch.
+/// trimmed commits and proves nothing about them (sim seed 1282), and
+/// neither does the trim: no member's frame is left to say whether a
+/// commit was lost in it. So the member asks the members their epoch (the
+/// probe), learns the group went on, strands and heals, never left behind
+/// at its old epoch.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_strangers_replay_of_a_merged_commit_does_not_hide_a_trim() {
     let hub = shallow_hub().await;
@@ -2421,20 +2424,60 @@ async fn a_strangers_replay_of_a_merged_commit_does_not_hide_a_trim() {
     let wc = Watch::new(&c);
     let (e2, _) = agree(&[&a, &b, &c], g).await;
     assert!(e2 > e, "c is in the group's epoch again (rejoined)");
-    // Stranded by the trim itself, before it passed the stranger's frames
-    // over as if nothing was missing (a later check used to catch it, or
-    // not, as in the seed).
-    let events = wc.snapshot();
-    let stranded = events
-        .iter()
-        .position(|ev| matches!(ev, Event::Stranded { group } if *group == g))
-        .expect("c was stranded");
+    wc.until_stranded(g, "c learned it was behind").await;
+    wc.until_rejoined(g, "c healed").await;
     assert!(
-        !events[..stranded]
-            .iter()
-            .any(|ev| matches!(ev, Event::FrameSkipped { .. })),
-        "{events:?}"
+        !c.manager().record(g).unwrap().probe_owed,
+        "the probe concluded"
     );
+}
+
+/// Two members at one epoch, offline while an insider's frames pushed the
+/// last commit out of the hub's shallow log: each finds the trim past its
+/// cursor and nothing a member wrote in what the hub kept. Stranding there
+/// would strand both alike, and a stranded member answers nobody's rejoin
+/// (sim seed 921). They ask each other their epoch instead, learn nobody
+/// is further on, read on, and commit again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trim_that_kept_only_an_insiders_frames_strands_nobody_at_the_groups_epoch() {
+    let hub = shallow_hub().await;
+    let u = vec![hub.url().to_string()];
+    let mut a = TestDevice::open(&u).await.unwrap();
+    let mut b = TestDevice::open(&u).await.unwrap();
+    let wb = Watch::new(&b);
+    let g = group_of(&a, &[(&b, &wb)], &u).await;
+    a.rotate_keys(g).await.unwrap();
+    let (e, _) = agree(&[&a, &b], g).await;
+    let topic = topic_of(&a, g);
+    let writer = writer_of(&a, g);
+    let (aid, bid) = (a.id(), b.id());
+    a.close().await;
+    b.close().await;
+    // An insider's junk, more frames than the log keeps.
+    let insider = hub.client(&signing_key(4747)).await.unwrap();
+    for i in 0..4u64 {
+        let p = log_publish(&writer, 950 + i, vec![0xEE; 40 + i as usize]);
+        insider.publish(p).await.unwrap();
+    }
+    let held = insider.fetch(&topic, 0, 10).await.unwrap();
+    assert!(held
+        .messages
+        .iter()
+        .all(|m| m.sender != aid && m.sender != bid));
+
+    a.reopen().await.unwrap();
+    b.reopen().await.unwrap();
+    let (wa, wb) = (Watch::new(&a), Watch::new(&b));
+    eventually("both probes concluded", || {
+        !a.manager().record(g).unwrap().probe_owed && !b.manager().record(g).unwrap().probe_owed
+    })
+    .await;
+    let (e2, _) = agree(&[&a, &b], g).await;
+    assert_eq!(e2, e, "nobody moved: nothing was lost");
+    assert_eq!(wa.stranded() + wb.stranded(), 0, "nobody stranded");
+    a.rotate_keys(g).await.unwrap();
+    assert_eq!(agree(&[&a, &b], g).await.0, e + 1);
+    carry_on(&b, &[&a, &b], &[&wa], g, b"b after the junk").await;
 }
 
 /// A member that only reads heals on its own: offline while the hub

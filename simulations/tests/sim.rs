@@ -552,6 +552,16 @@ fn all_faults_a_member_brought_along_on_a_lost_branch_learns_it() {
     holds_with_all_faults(600);
 }
 
+/// Seed 921: g0's two members were at one epoch when an insider's frames
+/// pushed its last commit out of hub1's shallow log; each found the trim
+/// with nothing a member wrote in what was kept, stranded, and answered
+/// the other's rejoin with silence, for ever. They ask each other their
+/// epoch now, and read on.
+#[test]
+fn all_faults_a_trim_of_junk_strands_no_member_at_the_groups_epoch() {
+    holds_with_all_faults(921);
+}
+
 fn holds_with_all_faults(seed: u64) -> serde_json::Value {
     let r = run_in_process(seed, 30, "all");
     assert_eq!(r["violations"], serde_json::json!([]), "seed {seed}");

@@ -349,6 +349,24 @@ impl GroupPeerManager {
                         gave_back_after_junk = true;
                         continue;
                     }
+                    if !lost_here {
+                        // No rewind either: the hub trimmed past our cursor
+                        // because others' frames filled its window, and
+                        // what it trimmed is not known. Every member at our
+                        // epoch finds the same and, stranding, would answer
+                        // nobody's rejoin (sim seed 921). The members are
+                        // asked their epoch instead (the probe strands this
+                        // device if one is further on), and the pull reads
+                        // on past the others' frames.
+                        tracing::info!(%group, hub, cursor, "the hub trimmed past our cursor and kept only others' frames: asking the members their epoch");
+                        let mut guard = self.shared.registry.lock(group).await;
+                        let mut rec = self.record(group)?;
+                        rec.probe_owed = true;
+                        self.save_record(&mut guard, &rec)?;
+                        drop(guard);
+                        self.probe_in_background(group);
+                        f.gap = false;
+                    }
                 }
             }
             if f.gap {
