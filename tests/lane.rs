@@ -362,6 +362,15 @@ fn mls_header(frame: &[u8]) -> (Vec<u8>, u64) {
     (pm.group_id().as_slice().to_vec(), pm.epoch().as_u64())
 }
 
+/// Stop `hub` (serving `dir` on `addr`), copy its store aside (a backup
+/// to restore later) and start it again: answers the copy and the hub.
+async fn backed_up(hub: TestHub, dir: &Path, addr: &str) -> (tempfile::TempDir, TestHub) {
+    hub.stop().await;
+    let copy = tempfile::tempdir().unwrap();
+    copy_dir(dir, copy.path());
+    (copy, hub_at(dir, addr).await)
+}
+
 fn copy_dir(from: &Path, to: &Path) {
     std::fs::create_dir_all(to).unwrap();
     for e in std::fs::read_dir(from).unwrap() {
@@ -1106,10 +1115,7 @@ async fn a_hub_restored_from_an_older_copy_is_noticed_and_the_group_carries_on()
     agree(&[&a, &b], g).await;
     let old_head = a.manager().record(g).unwrap().cursor();
 
-    hub.stop().await;
-    let copy = tempfile::tempdir().unwrap();
-    copy_dir(dir.path(), copy.path());
-    let hub = hub_at(dir.path(), &addr).await;
+    let (copy, hub) = backed_up(hub, dir.path(), &addr).await;
     a.rotate_keys(g).await.unwrap();
     b.rotate_keys(g).await.unwrap();
     let (e, _) = agree(&[&a, &b], g).await;
@@ -1227,10 +1233,7 @@ async fn a_former_commit_hub_restored_from_before_the_move_is_given_the_move_bac
     .await;
 
     // A copy of h0 from before the move.
-    h0.stop().await;
-    let copy = tempfile::tempdir().unwrap();
-    copy_dir(dir.path(), copy.path());
-    let h0 = hub_at(dir.path(), &addr).await;
+    let (copy, h0) = backed_up(h0, dir.path(), &addr).await;
 
     b.close().await;
     a.set_commit_hub(g, &u[1]).await.unwrap();
@@ -1276,10 +1279,7 @@ async fn a_mover_whose_move_lost_its_place_on_the_restored_old_hub_rejoins() {
     let g = group_of(&a, &[(&b, &wb)], &u).await;
     let (e, _) = agree(&[&a, &b], g).await;
 
-    h0.stop().await;
-    let copy = tempfile::tempdir().unwrap();
-    copy_dir(dir.path(), copy.path());
-    let h0 = hub_at(dir.path(), &addr).await;
+    let (copy, h0) = backed_up(h0, dir.path(), &addr).await;
 
     b.close().await;
     a.set_commit_hub(g, &u[1]).await.unwrap();
@@ -1346,10 +1346,7 @@ async fn a_member_brought_along_on_a_lost_branch_learns_it_from_the_rejoin_reque
     let g = group_of(&a, &[(&b, &wb)], &u).await;
     let (e, _) = agree(&[&a, &b], g).await;
 
-    h0.stop().await;
-    let copy = tempfile::tempdir().unwrap();
-    copy_dir(dir.path(), copy.path());
-    let h0 = hub_at(dir.path(), &addr).await;
+    let (copy, h0) = backed_up(h0, dir.path(), &addr).await;
 
     // The branch b will not see: the move, c's invite, and commits after,
     // so c is further on than b will be.
@@ -2719,10 +2716,7 @@ async fn the_loser_of_a_fork_rejoins_and_its_lost_entry_and_message_are_issued_a
     let g = group_of(&a, &[(&b, &wb)], &u).await;
     let (e, _) = agree(&[&a, &b], g).await;
 
-    hub.stop().await;
-    let copy = tempfile::tempdir().unwrap();
-    copy_dir(dir.path(), copy.path());
-    let hub = hub_at(dir.path(), &addr).await;
+    let (copy, hub) = backed_up(hub, dir.path(), &addr).await;
     b.close().await;
     a.set_setting(g, "color", b"blue").await.unwrap();
     assert_eq!(a.epoch(g).await.unwrap(), e + 1);
@@ -3284,10 +3278,7 @@ async fn a_package_used_since_a_copy() -> UsedSinceCopy {
     let b = TestDevice::open_with(ob).await.unwrap();
     b.ready_for_invites(WAIT).await.unwrap();
 
-    hub.stop().await;
-    let copy = tempfile::tempdir().unwrap();
-    copy_dir(dir.path(), copy.path());
-    let hub = hub_at(dir.path(), &addr).await;
+    let (copy, hub) = backed_up(hub, dir.path(), &addr).await;
     let wb = Watch::new(&b);
     // The first package in b's pool is claimed, and b joins with it.
     group_of(&a, &[(&b, &wb)], &u).await;

@@ -306,28 +306,15 @@ async fn a_stranger_cannot_open_a_tunnel() {
         .subscribe(&hubsync::device::topics::welcome_topic(&stranger), None)
         .await
         .unwrap();
-    let out = client
-        .publish(hubsync::wire::Publish {
-            publish_id: hubsync::wire::PublishId([9; 32]),
-            topic: hubsync::device::topics::welcome_topic(&b.id()),
-            class: hubsync::wire::RetentionClass::Mailbox,
-            expected_head: hubsync::wire::ExpectedHead::Unconditional,
-            replay_only: false,
-            retention_secs: None,
-            payload: forged_open(&key, stranger, g, b.id(), a.epoch(g).await.unwrap()),
-            writer: None,
-        })
-        .await
-        .unwrap();
-    assert!(matches!(
-        out,
-        hubsync::wire::PublishOutcome::Accepted { .. }
-    ));
-    let deadline = tokio::time::Instant::now() + WAIT;
-    while b.stats().dropped == dropped {
-        assert!(tokio::time::Instant::now() < deadline, "b never saw it");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let open = forged_open(&key, stranger, g, b.id(), a.epoch(g).await.unwrap());
+    post_to_mailbox(
+        &client,
+        hubsync::device::topics::welcome_topic(&b.id()),
+        9,
+        open,
+    )
+    .await;
+    dropped_reaches(&b, dropped + 1).await;
     assert!(
         b.manager().tunnels(g).is_empty(),
         "no tunnel for a stranger"
@@ -568,29 +555,16 @@ async fn a_forged_beacon_makes_nobody_live() {
             signature: Vec::new(),
         };
         beacon.signature = key.sign(&beacon.signed_bytes()).to_bytes().to_vec();
-        let out = client
-            .publish(hubsync::wire::Publish {
-                publish_id: hubsync::wire::PublishId([n as u8 + 1; 32]),
-                topic: hubsync::device::topics::rendezvous_topic(&seed),
-                class: hubsync::wire::RetentionClass::Mailbox,
-                expected_head: hubsync::wire::ExpectedHead::Unconditional,
-                replay_only: false,
-                retention_secs: Some(60),
-                payload: postcard::to_stdvec(&RendezvousFrame::Presence(beacon)).unwrap(),
-                writer: None,
-            })
-            .await
-            .unwrap();
-        assert!(matches!(
-            out,
-            hubsync::wire::PublishOutcome::Accepted { .. }
-        ));
+        let frame = postcard::to_stdvec(&RendezvousFrame::Presence(beacon)).unwrap();
+        post_to_mailbox(
+            &client,
+            hubsync::device::topics::rendezvous_topic(&seed),
+            n as u8 + 1,
+            frame,
+        )
+        .await;
     }
-    let deadline = tokio::time::Instant::now() + WAIT;
-    while a.stats().dropped < dropped + 2 {
-        assert!(tokio::time::Instant::now() < deadline, "a never saw them");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    dropped_reaches(&a, dropped + 2).await;
     let p = a.presence(g).await.unwrap();
     assert_eq!(p.len(), 1, "members only");
     assert!(!p[0].live, "b stays away: {p:?}");
@@ -645,4 +619,43 @@ async fn history_sync_asks_a_live_member_first() {
     assert_eq!(got.from, Some(here_id));
     assert!(got.failed.is_empty(), "nobody absent was asked: {got:?}");
     assert_eq!(got.received, 2);
+}
+
+/// Post `payload` on the mailbox `topic` as `client`, and check the hub
+/// took it (`id` makes its publish id).
+async fn post_to_mailbox(
+    client: &hubsync::client::HubClient,
+    topic: hubsync::wire::TopicId,
+    id: u8,
+    payload: Vec<u8>,
+) {
+    let out = client
+        .publish(hubsync::wire::Publish {
+            publish_id: hubsync::wire::PublishId([id; 32]),
+            topic,
+            class: hubsync::wire::RetentionClass::Mailbox,
+            expected_head: hubsync::wire::ExpectedHead::Unconditional,
+            replay_only: false,
+            retention_secs: Some(60),
+            payload,
+            writer: None,
+        })
+        .await
+        .unwrap();
+    assert!(matches!(
+        out,
+        hubsync::wire::PublishOutcome::Accepted { .. }
+    ));
+}
+
+/// Wait until `d` counted at least `n` frames dropped.
+async fn dropped_reaches(d: &TestDevice, n: u64) {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while d.stats().dropped < n {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the frames never arrived"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
