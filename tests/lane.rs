@@ -1683,6 +1683,43 @@ async fn a_granted_admin_can_invite_and_a_revoked_one_cannot() {
     assert_eq!(a.members(g).await.unwrap().len(), 3);
 }
 
+/// The hub accepted a grant but its answer never came; before the device
+/// sent it again, its own pull met the commit on the topic and merged it.
+/// The grant is reported landed at the next epoch, not refused as a
+/// duplicate of itself nor committed a second time (sim seed 734: a
+/// grant reported refused left the simulation believing the grantee was
+/// no admin).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_merged_by_a_pull_while_its_answer_was_lost_is_reported_landed() {
+    let hubs = hubs(1).await;
+    let u = urls(&hubs);
+    let a = TestDevice::open(&u).await.unwrap();
+    let b = TestDevice::open(&u).await.unwrap();
+    let wb = Watch::new(&b);
+    let g = group_of(&a, &[(&b, &wb)], &u).await;
+    let (e, _) = agree(&[&a, &b], g).await;
+
+    a.manager().faults().lose_commit_answers.store(1, SeqCst);
+    let grant = a.grant_admin(g, b.id());
+    tokio::pin!(grant);
+    tokio::select! {
+        r = &mut grant => panic!("returned {r:?} before its own pull merged the commit"),
+        _ = wait_epoch(&a, g, e + 1) => {}
+    }
+    let r = grant.await.expect("the grant landed");
+    assert_eq!(r.outcome.epoch, e + 1);
+    let (e1, _) = agree(&[&a, &b], g).await;
+    assert_eq!(e1, e + 1, "committed once");
+    let grants = a
+        .ledger(g)
+        .unwrap()
+        .iter()
+        .filter(|x| x.kind == EntryType::AdminGrant && x.subject == b.id().0)
+        .count();
+    assert_eq!(grants, 1, "b's grant is in the ledger once");
+    assert!(b.ledger_view(g).unwrap().admins.contains(&b.id()));
+}
+
 /// The last admin cannot be revoked (the group would have nobody to run
 /// it); once another admin exists it can step down.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -562,6 +562,17 @@ fn all_faults_a_trim_of_junk_strands_no_member_at_the_groups_epoch() {
     holds_with_all_faults(921);
 }
 
+/// Seed 734: a grant's answer was lost (its hub isolated) and the
+/// device's own pull merged the commit before the lane sent it again; the
+/// lane took the vanished journal for a lost race, built the grant again
+/// and was refused as a duplicate of itself, so the simulation believed
+/// the grantee was no admin and called its later invite unauthorized. A
+/// journal a pull ended is now looked up among the merged commits first.
+#[test]
+fn all_faults_a_commit_merged_by_a_pull_is_reported_landed() {
+    holds_with_all_faults(734);
+}
+
 fn holds_with_all_faults(seed: u64) -> serde_json::Value {
     let r = run_in_process(seed, 30, "all");
     assert_eq!(r["violations"], serde_json::json!([]), "seed {seed}");

@@ -462,7 +462,15 @@ pub struct Faults {
     /// Lose every n-th tunnel frame this device sends (0: none), as a hub
     /// that accepted it and lost it would.
     pub lose_tunnel_frames: AtomicU64,
+    /// Hear nothing back for this many accepted commit publishes (the hub
+    /// has the commit; the device sends it again after
+    /// [`LOST_ANSWER_RETRY`]), as an answer lost in transit would.
+    pub lose_commit_answers: AtomicU64,
 }
+
+/// When a commit whose answer [`Faults::lose_commit_answers`] dropped is
+/// sent again.
+pub const LOST_ANSWER_RETRY: std::time::Duration = std::time::Duration::from_secs(3);
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())

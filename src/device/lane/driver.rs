@@ -78,6 +78,8 @@ impl GroupPeerManager {
         // The epoch the caller's commit was built at: it lands at the next
         // one, whatever other commits merged by the time we report.
         let mut built_epoch = None;
+        // The digest of the last journalled commit this run sent.
+        let mut sent: Option<[u8; 32]> = None;
         loop {
             if self.shared.shutdown.is_cancelled() {
                 return Err(CommitError::Stopped);
@@ -121,12 +123,19 @@ impl GroupPeerManager {
                 Action::Publish | Action::Replay => {
                     let replay = action == Action::Replay;
                     let Some(entry) = self.shared.records.journal(&group)? else {
-                        // A pull met another commit at our epoch meanwhile
-                        // and dropped ours: it can no longer land.
+                        // A pull cleared the journal meanwhile: it met our
+                        // commit on the topic and merged it (an earlier send
+                        // landed though its answer never came), or met
+                        // another commit at our epoch and dropped ours.
                         lane.on_sent();
-                        lane.on_answer(Instant::now(), Answer::Lost);
+                        let answer = match sent.and_then(|d| self.merged_at(group, &d)) {
+                            Some(seq) => Answer::Accepted { seq },
+                            None => Answer::Lost,
+                        };
+                        lane.on_answer(Instant::now(), answer);
                         continue;
                     };
+                    sent = Some(digest(&entry.payload));
                     if !replay {
                         built_epoch = Some(entry.epoch);
                     }
@@ -269,6 +278,17 @@ impl GroupPeerManager {
         writer.sign(&mut publish);
         let link = self.hub_link(&entry.hub);
         Ok(match link.publish(publish).await {
+            Ok(PublishOutcome::Accepted { .. } | PublishOutcome::Duplicate { .. })
+                if take_one(&self.shared.faults.lose_commit_answers) =>
+            {
+                // Test fault: the answer never came.
+                (
+                    Answer::Transient {
+                        after: Some(crate::device::manager::LOST_ANSWER_RETRY),
+                    },
+                    None,
+                )
+            }
             Ok(PublishOutcome::Accepted { seq, .. } | PublishOutcome::Duplicate { seq }) => {
                 (Answer::Accepted { seq }, None)
             }
@@ -315,6 +335,14 @@ impl GroupPeerManager {
         self.adopt_locked(&mut guard, &mut rec, &j, seq)
             .map_err(|e| e.into_commit_error(group))?;
         Ok(())
+    }
+
+    /// Where the commit with this digest landed, if this device merged it
+    /// (`0` when the hub rewound since and its position is unknown).
+    fn merged_at(&self, group: GroupId, commit: &[u8; 32]) -> Option<u64> {
+        let rec = self.record(group).ok()?;
+        let k = rec.merged.iter().find(|k| k.digest == *commit)?;
+        Some(k.seq.unwrap_or(0))
     }
 
     /// Drop the pending commit and the journal together; answers what was
@@ -386,4 +414,10 @@ impl GroupPeerManager {
         });
         lost
     }
+}
+
+/// Take one from a fault's countdown: true when it was above zero.
+fn take_one(n: &std::sync::atomic::AtomicU64) -> bool {
+    n.fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| v.checked_sub(1))
+        .is_ok()
 }
