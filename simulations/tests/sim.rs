@@ -573,6 +573,18 @@ fn all_faults_a_commit_merged_by_a_pull_is_reported_landed() {
     holds_with_all_faults(734);
 }
 
+/// Seed 632: a hub rewound to empty; a member that had missed the last
+/// commits committed there first, taking the place of another member's
+/// commit. That member stranded, yet a later give-back of its commits
+/// after the lost one (whose frame it no longer listed) put them behind
+/// the winner's, and every reader there took them for commits from ahead
+/// and stranded too: nobody was left to answer a rejoin. A commit is now
+/// given back only after ours of the epoch before, where we remember it.
+#[test]
+fn all_faults_a_give_back_never_follows_a_lost_commit() {
+    holds_with_all_faults(632);
+}
+
 fn holds_with_all_faults(seed: u64) -> serde_json::Value {
     let r = run_in_process(seed, 30, "all");
     assert_eq!(r["violations"], serde_json::json!([]), "seed {seed}");

@@ -554,7 +554,21 @@ impl GroupPeerManager {
                     })?
                     .head
             };
+            // Our commits on one topic hold consecutive epochs: each one
+            // given back must follow ours of the epoch before, when we
+            // remember it, on the log (held there, or given back just
+            // now). One missing from the chain (its place taken, or given
+            // up) breaks it: a commit after the break would sit behind
+            // another member's commit of the epoch before, where every
+            // reader takes it for a commit from ahead (sim seed 632).
+            let mut given: Vec<u64> = Vec::new();
             for k in lost {
+                let broken = rec.merged.iter().filter(on_topic).any(|p| {
+                    p.epoch + 1 == k.epoch && p.seq.is_none() && !given.contains(&p.epoch)
+                });
+                if broken {
+                    break;
+                }
                 // On a log no pull reads, nobody has judged what was
                 // written since the rewind: a member's other commit at this
                 // epoch there won it (the log is what the group goes by),
@@ -592,6 +606,7 @@ impl GroupPeerManager {
                         // A duplicate may sit below frames others wrote since.
                         head = head.max(Some(seq));
                         healed = true;
+                        given.push(k.epoch);
                         if !current {
                             placed.push((k.epoch, Some(seq)));
                         }
