@@ -585,6 +585,17 @@ fn all_faults_a_give_back_never_follows_a_lost_commit() {
     holds_with_all_faults(632);
 }
 
+/// Seed 896: a member removed while away was invited again; its Welcome
+/// was kept for after the removal it had not seen, but it came back by
+/// rejoining instead. Removed again later, it joined from the kept
+/// Welcome and was stranded on a state the group had left, with nobody
+/// to answer it. A rejoin now clears the kept Welcomes, and a Welcome to
+/// an epoch the device is already past is refused, not kept.
+#[test]
+fn all_faults_a_rejoin_clears_welcomes_kept_for_after_a_removal() {
+    holds_with_all_faults(896);
+}
+
 fn holds_with_all_faults(seed: u64) -> serde_json::Value {
     let r = run_in_process(seed, 30, "all");
     assert_eq!(r["violations"], serde_json::json!([]), "seed {seed}");

@@ -1021,6 +1021,23 @@ impl GroupPeerManager {
                         .into(),
                 ));
             }
+            // A Welcome to an epoch this device is already at or past is
+            // one it holds the group by already (an inviter posts its
+            // Welcomes again after a hub rewind, and a device may have
+            // come back by rejoining): kept, it would be joined once this
+            // device sees a later removal, and hand it a state the group
+            // left long ago (sim seed 896).
+            let ours = {
+                let mut guard = self.shared.registry.lock(env.group).await;
+                guard.read(|g| g.epoch().as_u64())?
+            };
+            if let Some(epoch) = welcome_epoch(self, env)? {
+                if epoch <= ours {
+                    return Err(DeviceError::Mls(format!(
+                        "a Welcome to epoch {epoch} of a group this device holds at epoch {ours}"
+                    )));
+                }
+            }
             let mut b = WriteBatch::new();
             self.shared.records.put_pending_welcome(
                 &mut b,
@@ -1488,5 +1505,26 @@ impl GroupPeerManager {
             .records
             .group(&group)?
             .ok_or(DeviceError::UnknownGroup(group))
+    }
+}
+
+/// The epoch `env`'s Welcome would join this device at, staged in an
+/// overlay that is dropped (nothing is kept, no key package is used up);
+/// `None` when this device holds no key package it names.
+fn welcome_epoch(
+    manager: &GroupPeerManager,
+    env: &WelcomeEnvelope,
+) -> Result<Option<u64>, DeviceError> {
+    let body = MlsMessageIn::tls_deserialize_exact(&env.welcome)
+        .map_err(|e| DeviceError::Mls(e.to_string()))?
+        .extract();
+    let MlsMessageBodyIn::Welcome(welcome) = body else {
+        return Err(DeviceError::Mls("the envelope holds no Welcome".into()));
+    };
+    let op = OpProvider::new(manager.shared.registry.provider().clone());
+    match StagedWelcome::new_from_welcome(&op, &mls::join_config(), welcome, None) {
+        Ok(staged) => Ok(Some(staged.group_context().epoch().as_u64())),
+        Err(WelcomeError::NoMatchingKeyPackage) => Ok(None),
+        Err(e) => Err(DeviceError::Mls(e.to_string())),
     }
 }

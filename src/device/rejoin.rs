@@ -977,6 +977,10 @@ impl GroupPeerManager {
         let mut b = WriteBatch::new();
         self.shared.records.put_group(&mut b, &rec);
         self.shared.records.clear_journal(&mut b, &group);
+        // Welcomes kept for after a removal this device never saw are for
+        // the membership it holds again now: joined after a later
+        // removal, one would hand it a state the group left (sim seed 896).
+        self.shared.records.clear_pending_welcomes(&mut b, &group)?;
         guard.finish(b)?;
         let members = self.members_of(&mut guard)?;
         drop(guard);
