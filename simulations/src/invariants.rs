@@ -80,7 +80,8 @@ pub struct Accepted {
     pub by: DeviceId,
     /// The epoch the commit made.
     pub epoch: u64,
-    /// The committer's commit hub right after the commit returned.
+    /// The hub that took it: the committer's commit hub right after the
+    /// commit returned (before it, for a move of the commit hub).
     pub hub: String,
     /// Simulated ms when the operation returned.
     pub at_ms: u64,
@@ -408,13 +409,30 @@ pub fn check(
         // history: no member ends at an earlier epoch. A commit a rewind may
         // have erased from its hub (accepted after the copy the hub was
         // restored from, before the restore) is not judged.
+        // A commit built on one a rewind may have erased is on a branch the
+        // group may have left: what is owed then is that its committer
+        // learns so (it strands, or finds itself removed) after it.
         let epoch = hs[0].1.epoch;
-        for a in history.accepted.iter().filter(|a| a.group == *group) {
-            if history
+        let erased = |a: &Accepted| {
+            history
                 .rewinds
                 .iter()
                 .any(|r| r.erases_commit(&a.hub, a.at_ms))
-            {
+        };
+        let learned = |a: &Accepted| {
+            events.iter().any(|(ms, i, e)| {
+                *ms >= a.at_ms
+                    && ids.get(i) == Some(&a.by)
+                    && matches!(e, Event::Stranded { group: g } | Event::Removed { group: g } if *g == a.group)
+            })
+        };
+        for a in history.accepted.iter().filter(|a| a.group == *group) {
+            let on_erased = || {
+                history.accepted.iter().any(|x| {
+                    x.group == a.group && x.epoch <= a.epoch && x.at_ms <= a.at_ms && erased(x)
+                })
+            };
+            if erased(a) || (on_erased() && learned(a)) {
                 excused.commits += 1;
                 continue;
             }
@@ -545,8 +563,28 @@ pub fn check(
                 // the group before it read them may have lost it there.
                 let rejoined_past = rejoined_at.get(&(i, m.group)).is_some_and(|e| *e > m.epoch);
                 let trimmed = missed_at.get(&(i, m.group)).is_some_and(|t| *t >= m.at_ms);
+                // Sent on a branch built on a commit a rewind may have
+                // erased, by a device that then found itself removed (its
+                // own membership was on that branch): it has nobody to send
+                // it again to. One that rejoins sends it again, and is
+                // judged.
+                let on_erased_branch = history.accepted.iter().any(|x| {
+                    x.group == m.group
+                        && x.epoch <= m.epoch
+                        && x.at_ms <= m.at_ms
+                        && history
+                            .rewinds
+                            .iter()
+                            .any(|r| r.erases_commit(&x.hub, x.at_ms))
+                });
+                let sender_removed = events.iter().any(|(ms, i, e)| {
+                    *ms >= m.at_ms
+                        && ids.get(i) == Some(&m.sender)
+                        && matches!(e, Event::Removed { group } if *group == m.group)
+                });
                 if rejoined_past
                     || trimmed
+                    || (on_erased_branch && sender_removed)
                     || history
                         .rewinds
                         .iter()

@@ -850,7 +850,13 @@ async fn serve(d: Arc<Device>, cmd: Cmd) {
             let _ = r.send(landed(&d, g, res));
         }
         Cmd::SetCommitHub(g, hub, r) => {
-            let _ = r.send(landed(&d, g, d.set_commit_hub(g, &hub).await));
+            // The move is committed on the hub it moves away from.
+            let from = d.manager().record(g).map(|r| r.commit_hub).ok();
+            let res = landed(&d, g, d.set_commit_hub(g, &hub).await);
+            let _ = r.send(res.map(|l| Landed {
+                hub: from.unwrap_or(l.hub),
+                ..l
+            }));
         }
         Cmd::View(g, r) => {
             let view = match (d.manager().record(g), d.ledger_view(g)) {

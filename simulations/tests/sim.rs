@@ -596,6 +596,27 @@ fn all_faults_a_rejoin_clears_welcomes_kept_for_after_a_removal() {
     holds_with_all_faults(896);
 }
 
+/// Seed 182: the first version of the fix for seed 632 stopped giving a
+/// commit back whenever ours of the epoch before had no known position,
+/// which after a restore from a copy is every one: the last commit of a
+/// former log was never given back, and a member away meanwhile went on
+/// committing on that log alone. Now only a member's other commit of the
+/// epoch before, at the log's end, stops it.
+#[test]
+fn all_faults_a_restored_former_log_is_given_its_last_commit_back() {
+    holds_with_all_faults(182);
+}
+
+/// Seed 548: a member away while a hub rewound to empty committed and
+/// sent on the branch the rewind erased; it learned so later, when a
+/// member of that branch asked to rejoin, and was removed (its own invite
+/// was on that branch). Its commit and message are excused, as those the
+/// rewind erased are, because it learned.
+#[test]
+fn all_faults_a_commit_on_an_erased_branch_is_learned() {
+    holds_with_all_faults(548);
+}
+
 fn holds_with_all_faults(seed: u64) -> serde_json::Value {
     let r = run_in_process(seed, 30, "all");
     assert_eq!(r["violations"], serde_json::json!([]), "seed {seed}");

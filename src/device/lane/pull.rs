@@ -554,29 +554,25 @@ impl GroupPeerManager {
                     })?
                     .head
             };
-            // Our commits on one topic hold consecutive epochs: each one
-            // given back must follow ours of the epoch before, when we
-            // remember it, on the log (held there, or given back just
-            // now). One missing from the chain (its place taken, or given
-            // up) breaks it: a commit after the break would sit behind
-            // another member's commit of the epoch before, where every
-            // reader takes it for a commit from ahead (sim seed 632).
-            let mut given: Vec<u64> = Vec::new();
             for k in lost {
-                let broken = rec.merged.iter().filter(on_topic).any(|p| {
-                    p.epoch + 1 == k.epoch && p.seq.is_none() && !given.contains(&p.epoch)
-                });
-                if broken {
-                    break;
-                }
                 // On a log no pull reads, nobody has judged what was
                 // written since the rewind: a member's other commit at this
                 // epoch there won it (the log is what the group goes by),
                 // and giving ours back after it would leave two commits of
                 // one epoch on the log.
-                if !current && self.lost_fork_on(group, link, topic, k).await? {
-                    self.strand_lost_fork(group, k).await?;
-                    return Ok(healed);
+                if !current {
+                    match self.place_on(group, link, topic, k, &rec).await? {
+                        Place::Free => {}
+                        Place::Taken => {
+                            self.strand_lost_fork(group, k).await?;
+                            return Ok(healed);
+                        }
+                        // Ours of the epoch before is not there: after
+                        // another member's commit of that epoch, ours would
+                        // read as a commit from ahead to every reader there
+                        // (sim seed 632). That loss is judged on its own.
+                        Place::Behind => break,
+                    }
                 }
                 let mut publish = crate::wire::Publish {
                     topic: topic.clone(),
@@ -606,7 +602,6 @@ impl GroupPeerManager {
                         // A duplicate may sit below frames others wrote since.
                         head = head.max(Some(seq));
                         healed = true;
-                        given.push(k.epoch);
                         if !current {
                             placed.push((k.epoch, Some(seq)));
                         }
@@ -616,7 +611,7 @@ impl GroupPeerManager {
                         if !current {
                             // No later pull reads this log to judge what
                             // took the place: judge it here.
-                            if self.lost_fork_on(group, link, topic, k).await? {
+                            if self.place_on(group, link, topic, k, &rec).await? == Place::Taken {
                                 self.strand_lost_fork(group, k).await?;
                                 return Ok(healed);
                             }
@@ -655,16 +650,20 @@ impl GroupPeerManager {
         self.strand(&mut guard, &mut rec)
     }
 
-    /// Whether a member's different commit holds `ours`'s epoch on `topic`
-    /// (a log the pull no longer reads): the group went the other way
-    /// there while the hub had lost ours, so ours lost that epoch.
-    async fn lost_fork_on(
+    /// Where `ours` would go on `topic` (a log the pull no longer reads):
+    /// [`Place::Taken`] when a member's different commit holds its epoch
+    /// (the group went the other way there while the hub had lost ours, so
+    /// ours lost that epoch), [`Place::Behind`] when the last member commit
+    /// there is of the epoch before and not the one `rec` merged at that
+    /// epoch (ours of that epoch lost its place), else [`Place::Free`].
+    async fn place_on(
         &self,
         group: GroupId,
         link: &HubLink,
         topic: &TopicId,
         ours: &MergedCommit,
-    ) -> Result<bool, PullError> {
+        rec: &GroupRecord,
+    ) -> Result<Place, PullError> {
         let f = link
             .fetch(topic, 0, PAGE)
             .await
@@ -676,22 +675,34 @@ impl GroupPeerManager {
             let mut guard = self.shared.registry.lock(group).await;
             self.member_set(&mut guard)?
         };
+        let mut last: Option<(u64, [u8; 32])> = None;
         for m in &f.messages {
-            if digest(&m.payload) == ours.digest {
-                return Ok(false);
+            let d = digest(&m.payload);
+            if d == ours.digest {
+                return Ok(Place::Free);
             }
             let Some(pm) = protocol_message(&m.payload) else {
                 continue;
             };
-            if pm.group_id().as_slice() == group.0
-                && pm.epoch().as_u64() == ours.epoch
-                && members.contains(&m.sender)
-            {
-                tracing::warn!(%group, hub = ours.hub, epoch = ours.epoch, seq = m.seq, "a rewound log holds another member's commit where ours was: ours lost");
-                return Ok(true);
+            if pm.group_id().as_slice() != group.0 || !members.contains(&m.sender) {
+                continue;
             }
+            if pm.epoch().as_u64() == ours.epoch {
+                tracing::warn!(%group, hub = ours.hub, epoch = ours.epoch, seq = m.seq, "a rewound log holds another member's commit where ours was: ours lost");
+                return Ok(Place::Taken);
+            }
+            last = Some((pm.epoch().as_u64(), d));
         }
-        Ok(false)
+        match last {
+            Some((e, d))
+                if e + 1 == ours.epoch
+                    && rec.merged.iter().any(|k| k.epoch == e && k.digest != d) =>
+            {
+                tracing::warn!(%group, hub = ours.hub, epoch = ours.epoch, "a rewound log holds another member's commit before where ours was: not given back");
+                Ok(Place::Behind)
+            }
+            _ => Ok(Place::Free),
+        }
     }
 
     /// The logs this device committed on before the current one: a former
@@ -1593,6 +1604,18 @@ fn protocol_message(payload: &[u8]) -> Option<ProtocolMessage> {
 
 /// A commit this device merged that `hub` no longer holds, with its frame
 /// still kept to give back.
+/// Where a commit given back to a rewound log would go
+/// ([`GroupPeerManager::place_on`]).
+#[derive(Debug, PartialEq, Eq)]
+enum Place {
+    /// Nothing there says the group went another way.
+    Free,
+    /// A member's other commit holds its epoch: ours lost it.
+    Taken,
+    /// A member's other commit holds the epoch before: ours cannot follow.
+    Behind,
+}
+
 fn is_lost(k: &MergedCommit, hub: &str) -> bool {
     k.hub == hub && k.seq.is_none() && !k.payload.is_empty() && k.commit_seed.is_some()
 }
