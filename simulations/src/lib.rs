@@ -198,6 +198,10 @@ pub struct SimConfig {
     pub faults: Faults,
     /// Engine breaks (tests only).
     pub breaks: Breaks,
+    /// Add tunnel calls between members to the workload: a streamed
+    /// procedure answers a count of numbered items, which must arrive in
+    /// order exactly once, or the call must report why it ended.
+    pub tunnels: bool,
 }
 
 impl SimConfig {
@@ -212,19 +216,21 @@ impl SimConfig {
             ops: 30,
             faults: Faults::ALL,
             breaks: Breaks::default(),
+            tunnels: false,
         }
     }
 
     /// The command that replays this run.
     pub fn replay_command(&self) -> String {
         format!(
-            "cargo run --release -p hubsync-sim -- --seed {} --devices {} --hubs {} --groups {} --ops {} --faults {}",
+            "cargo run --release -p hubsync-sim -- --seed {} --devices {} --hubs {} --groups {} --ops {} --faults {}{}",
             self.seed,
             self.devices,
             self.hubs,
             self.groups,
             self.ops,
-            self.faults.to_arg()
+            self.faults.to_arg(),
+            if self.tunnels { " --tunnels" } else { "" }
         )
     }
 }
@@ -258,6 +264,11 @@ pub struct SeedReport {
     pub stranger_frames: usize,
     /// Admin operations tried by non-admins and refused by the ledger.
     pub refused: usize,
+    /// Tunnel calls that ended, with all their items or reporting why not
+    /// (with `tunnels` on).
+    pub tunnel_calls: usize,
+    /// Tunnel calls that got all their items.
+    pub tunnels_done: usize,
     /// Accepted commits and missing deliveries not judged because a rewind
     /// may have erased them.
     pub excused: usize,
@@ -336,6 +347,88 @@ enum Cmd {
         oneshot::Sender<usize>,
     ),
     State(oneshot::Sender<FinalState>),
+    /// Open a tunnel to a member and call [`COUNT`] for this many items.
+    Tunnel(GroupId, DeviceId, u32, oneshot::Sender<TunnelCall>),
+}
+
+/// The streamed procedure every device serves in the simulation: the
+/// body is a count n (u32, big-endian), the responses are 0..n in order.
+const COUNT: &str = "sim.count";
+
+/// What one tunnel call of the workload saw.
+#[derive(Clone, Debug)]
+struct TunnelCall {
+    /// The items, in the order they arrived.
+    items: Vec<u32>,
+    /// How the call ended: `Ok` once the procedure ended, else the error
+    /// the device reported (opening, calling, or mid-stream).
+    end: Result<(), String>,
+}
+
+/// The procedures every simulated device serves.
+fn sim_procedures() -> hubsync::device::tunnel::Procedures {
+    hubsync::device::tunnel::Procedures::new().streamed(COUNT, |_, body, sink| async move {
+        let n = body
+            .get(..4)
+            .and_then(|b| <[u8; 4]>::try_from(b).ok())
+            .map(u32::from_be_bytes)
+            .ok_or("a count is 4 bytes")?;
+        for k in 0..n {
+            sink.send(k.to_be_bytes().to_vec())
+                .await
+                .map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    })
+}
+
+/// Open a tunnel from `d` to `to` in `g`, call [`COUNT`] for `n` items,
+/// and read the stream to its end.
+async fn tunnel_call(d: &Device, g: GroupId, to: DeviceId, n: u32) -> TunnelCall {
+    let mut items = Vec::new();
+    let t = match d.open_tunnel(g, to).await {
+        Ok(t) => t,
+        Err(e) => {
+            return TunnelCall {
+                items,
+                end: Err(e.to_string()),
+            }
+        }
+    };
+    let end = match t.call_stream(COUNT, n.to_be_bytes().to_vec()).await {
+        Err(e) => Err(e.to_string()),
+        Ok(mut stream) => loop {
+            match stream.next().await {
+                None => break Ok(()),
+                Some(Ok(b)) => match <[u8; 4]>::try_from(b.as_slice()) {
+                    Ok(x) => items.push(u32::from_be_bytes(x)),
+                    Err(_) => break Err(format!("an item of {} bytes", b.len())),
+                },
+                Some(Err(e)) => break Err(e.to_string()),
+            }
+        },
+    };
+    t.close();
+    TunnelCall { items, end }
+}
+
+/// Judge a tunnel call: the items are 0, 1, 2, ... (in order, none
+/// repeated, none skipped), and all `n` of them unless the call reported
+/// why it ended. `None` when it holds.
+fn judge_tunnel(n: u32, c: &TunnelCall) -> Option<String> {
+    if let Some(k) = c.items.iter().enumerate().find(|(k, x)| **x as usize != *k) {
+        return Some(format!(
+            "item {} arrived where item {} belonged: {:?}",
+            k.1, k.0, c.items
+        ));
+    }
+    match &c.end {
+        Ok(()) if c.items.len() != n as usize => Some(format!(
+            "the call ended with {} of {n} items and no error",
+            c.items.len()
+        )),
+        _ => None,
+    }
 }
 
 /// What the outer loop does between steps on the driver's request.
@@ -708,6 +801,8 @@ pub fn run_seed(cfg: &SimConfig) -> SeedReport {
         outages: history.outages.len(),
         stranger_frames: d.stranger_frames,
         refused: d.refused,
+        tunnel_calls: d.tunnel_calls,
+        tunnels_done: d.tunnels_done,
         excused: excused.commits + excused.deliveries,
         strands: count(|e| matches!(e, Event::Stranded { .. })),
         gathers: count(|e| matches!(e, Event::LedgerGathered { .. })),
@@ -769,6 +864,9 @@ async fn device_host(
         f.no_pull.store(cfg.breaks.no_pull, Relaxed);
         f.panic_on_receive
             .store(cfg.breaks.panic_on_receive, Relaxed);
+    }
+    if cfg.tunnels {
+        device.serve(sim_procedures());
     }
     world
         .ids
@@ -848,6 +946,9 @@ async fn serve(d: Arc<Device>, cmd: Cmd) {
                 d.unbind_hub(g, &hub).await
             };
             let _ = r.send(landed(&d, g, res));
+        }
+        Cmd::Tunnel(g, to, n, r) => {
+            let _ = r.send(tunnel_call(&d, g, to, n).await);
         }
         Cmd::SetCommitHub(g, hub, r) => {
             // The move is committed on the hub it moves away from.
@@ -971,6 +1072,9 @@ struct DriverResult {
     faults: usize,
     stranger_frames: usize,
     refused: usize,
+    /// Tunnel calls that ended (done or reported), and those done.
+    tunnel_calls: usize,
+    tunnels_done: usize,
     violations: Vec<Violation>,
 }
 
@@ -1490,6 +1594,52 @@ async fn drive(cfg: SimConfig, devs: Vec<mpsc::Sender<Cmd>>, world: Arc<World>) 
             continue;
         }
         let pick = |rng: &mut ChaCha20Rng| member[rng.gen_range(0..member.len())];
+        if cfg.tunnels && member.len() >= 2 && rng.gen_bool(0.2) {
+            // A tunnel call between two members.
+            out.ops += 1;
+            let by = pick(&mut rng);
+            let to = loop {
+                let t = pick(&mut rng);
+                if t != by {
+                    break t;
+                }
+            };
+            let n = rng.gen_range(1..=64);
+            let r = ask(&devs[by], OP_LIMIT, |r| Cmd::Tunnel(g, id_of(to), n, r)).await;
+            match &r {
+                Some(c) => {
+                    out.tunnel_calls += 1;
+                    if c.end.is_ok() {
+                        out.ops_ok += 1;
+                        out.tunnels_done += 1;
+                    }
+                    if let Some(why) = judge_tunnel(n, c) {
+                        out.violations.push(Violation::new(
+                            "tunnel-order",
+                            Some(g),
+                            vec![id_of(by), id_of(to)],
+                            format!("op {step}: {why}"),
+                        ));
+                    }
+                }
+                None if !crashed_devs.contains(&by) => {
+                    out.violations.push(Violation::new(
+                        "tunnel-order",
+                        Some(g),
+                        vec![id_of(by), id_of(to)],
+                        format!("op {step}: a tunnel call neither ended nor reported why within {OP_LIMIT:?}"),
+                    ));
+                }
+                None => {}
+            }
+            world.trace(format!(
+                "{} op {step} g{gi} tunnel dev{by} -> dev{to} count {n} -> {:?}",
+                now_ms(),
+                r.map(|c| (c.items.len(), c.end))
+            ));
+            tokio::time::sleep(Duration::from_millis(rng.gen_range(0..300))).await;
+            continue;
+        }
         let roll = rng.gen_range(0..100);
         out.ops += 1;
         // An admin operation's actor, and whether the ledger must refuse it.

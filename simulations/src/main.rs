@@ -36,6 +36,10 @@ struct Args {
     /// Faults: all, none, or a list of partitions,hub-crashes,device-crashes,latency,drops,rewinds,strangers.
     #[arg(long, default_value = "all")]
     faults: String,
+    /// Add tunnel calls between members to the workload (their items must
+    /// arrive in order exactly once, or the call must say why it ended).
+    #[arg(long)]
+    tunnels: bool,
     /// Where the report goes.
     #[arg(long, default_value = "sim-report")]
     report: PathBuf,
@@ -67,6 +71,7 @@ fn main() -> ExitCode {
         groups: args.groups,
         ops: args.ops,
         faults,
+        tunnels: args.tunnels,
         ..SimConfig::new(0)
     };
     let bar = ProgressBar::new(seeds.len() as u64);

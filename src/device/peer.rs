@@ -1508,9 +1508,10 @@ impl GroupPeerManager {
     }
 }
 
-/// The epoch `env`'s Welcome would join this device at, staged in an
-/// overlay that is dropped (nothing is kept, no key package is used up);
-/// `None` when this device holds no key package it names.
+/// The epoch `env`'s Welcome would join this device at (as its GroupInfo
+/// claims: the answer only ever refuses a Welcome), read in an overlay
+/// that is dropped (nothing is kept, no key package is used up); `None`
+/// when this device holds no key package it names.
 fn welcome_epoch(
     manager: &GroupPeerManager,
     env: &WelcomeEnvelope,
@@ -1521,9 +1522,11 @@ fn welcome_epoch(
     let MlsMessageBodyIn::Welcome(welcome) = body else {
         return Err(DeviceError::Mls("the envelope holds no Welcome".into()));
     };
+    // Only processed (the group secrets opened, the GroupInfo decrypted):
+    // staging would refuse a group id this device holds.
     let op = OpProvider::new(manager.shared.registry.provider().clone());
-    match StagedWelcome::new_from_welcome(&op, &mls::join_config(), welcome, None) {
-        Ok(staged) => Ok(Some(staged.group_context().epoch().as_u64())),
+    match ProcessedWelcome::new_from_welcome(&op, &mls::join_config(), welcome) {
+        Ok(processed) => Ok(Some(processed.unverified_group_info().epoch().as_u64())),
         Err(WelcomeError::NoMatchingKeyPackage) => Ok(None),
         Err(e) => Err(DeviceError::Mls(e.to_string())),
     }
