@@ -1944,3 +1944,30 @@ async fn commit_heads(finals: &[FinalState], seed: u64) -> BTreeMap<GroupId, Opt
     }
     heads
 }
+
+#[cfg(test)]
+mod tunnel_judge_tests {
+    use super::{judge_tunnel, TunnelCall};
+
+    fn call(items: &[u32], end: Result<(), &str>) -> TunnelCall {
+        TunnelCall {
+            items: items.to_vec(),
+            end: end.map_err(str::to_string),
+        }
+    }
+
+    #[test]
+    fn every_item_in_order_or_a_reported_end_holds() {
+        assert_eq!(judge_tunnel(3, &call(&[0, 1, 2], Ok(()))), None);
+        assert_eq!(judge_tunnel(3, &call(&[0], Err("tunnel closed"))), None);
+        assert_eq!(judge_tunnel(3, &call(&[], Err("no answer"))), None);
+    }
+
+    #[test]
+    fn a_gap_a_repeat_a_swap_or_a_silent_short_end_is_caught() {
+        assert!(judge_tunnel(3, &call(&[0, 2], Err("closed"))).is_some());
+        assert!(judge_tunnel(3, &call(&[0, 0, 1, 2], Ok(()))).is_some());
+        assert!(judge_tunnel(3, &call(&[1, 0, 2], Ok(()))).is_some());
+        assert!(judge_tunnel(3, &call(&[0, 1], Ok(()))).is_some());
+    }
+}

@@ -30,6 +30,10 @@ fn invariants_broken(cfg: &SimConfig) -> Vec<&'static str> {
 /// parallel threads, so a seed run in-process here would not be the run
 /// that `--seed N` replays.
 fn run_in_process(seed: u64, ops: usize, faults: &str) -> serde_json::Value {
+    run_in_process_with(seed, ops, faults, &[])
+}
+
+fn run_in_process_with(seed: u64, ops: usize, faults: &str, extra: &[&str]) -> serde_json::Value {
     let dir = std::env::temp_dir().join(format!(
         "hubsync-sim-det-{}-{seed}-{}",
         std::process::id(),
@@ -46,6 +50,7 @@ fn run_in_process(seed: u64, ops: usize, faults: &str) -> serde_json::Value {
             "--report",
         ])
         .arg(&dir)
+        .args(extra)
         .output()
         .expect("run hubsync-sim");
     let json: Option<serde_json::Value> = std::fs::read(dir.join("summary.json"))
@@ -615,6 +620,24 @@ fn all_faults_a_restored_former_log_is_given_its_last_commit_back() {
 #[test]
 fn all_faults_a_commit_on_an_erased_branch_is_learned() {
     holds_with_all_faults(548);
+}
+
+/// Tunnel calls between members, with every fault on: each call's items
+/// arrive in order exactly once, or the call says why it ended
+/// (`tunnel-order`); and calls do complete.
+#[test]
+fn tunnel_calls_hold_with_all_faults() {
+    let mut done = 0;
+    for seed in [2, 3] {
+        let r = run_in_process_with(seed, 30, "all", &["--tunnels"]);
+        assert_eq!(r["violations"], serde_json::json!([]), "seed {seed}");
+        assert!(
+            r["tunnel_calls"].as_u64().unwrap_or(0) > 0,
+            "seed {seed}: {r}"
+        );
+        done += r["tunnels_done"].as_u64().unwrap_or(0);
+    }
+    assert!(done > 0, "no tunnel call got all its items");
 }
 
 fn holds_with_all_faults(seed: u64) -> serde_json::Value {
