@@ -269,6 +269,8 @@ pub struct SeedReport {
     pub tunnel_calls: usize,
     /// Tunnel calls that got all their items.
     pub tunnels_done: usize,
+    /// History syncs that answered (with `tunnels` on).
+    pub history_syncs: usize,
     /// Accepted commits and missing deliveries not judged because a rewind
     /// may have erased them.
     pub excused: usize,
@@ -349,7 +351,18 @@ enum Cmd {
     State(oneshot::Sender<FinalState>),
     /// Open a tunnel to a member and call [`COUNT`] for this many items.
     Tunnel(GroupId, DeviceId, u32, oneshot::Sender<TunnelCall>),
+    /// Let members hand on this many of the group's newest messages.
+    ShareHistory(GroupId, u64, Answer),
+    /// Ask a member over a tunnel for the history the group allows.
+    SyncHistory(
+        GroupId,
+        oneshot::Sender<Result<hubsync::device::tunnel::history::HistorySummary, String>>,
+    ),
 }
+
+/// How many messages the simulated groups let members hand on (with
+/// `tunnels` on).
+const SHARE_LAST: u64 = 8;
 
 /// The streamed procedure every device serves in the simulation: the
 /// body is a count n (u32, big-endian), the responses are 0..n in order.
@@ -803,6 +816,7 @@ pub fn run_seed(cfg: &SimConfig) -> SeedReport {
         refused: d.refused,
         tunnel_calls: d.tunnel_calls,
         tunnels_done: d.tunnels_done,
+        history_syncs: d.history_syncs,
         excused: excused.commits + excused.deliveries,
         strands: count(|e| matches!(e, Event::Stranded { .. })),
         gathers: count(|e| matches!(e, Event::LedgerGathered { .. })),
@@ -950,6 +964,20 @@ async fn serve(d: Arc<Device>, cmd: Cmd) {
         Cmd::Tunnel(g, to, n, r) => {
             let _ = r.send(tunnel_call(&d, g, to, n).await);
         }
+        Cmd::ShareHistory(g, n, r) => {
+            let value = n.to_string();
+            let res = d
+                .set_setting(
+                    g,
+                    hubsync::device::tunnel::history::SETTING,
+                    value.as_bytes(),
+                )
+                .await;
+            let _ = r.send(landed(&d, g, res));
+        }
+        Cmd::SyncHistory(g, r) => {
+            let _ = r.send(d.sync_history(g).await.map_err(|e| e.to_string()));
+        }
         Cmd::SetCommitHub(g, hub, r) => {
             // The move is committed on the hub it moves away from.
             let from = d.manager().record(g).map(|r| r.commit_hub).ok();
@@ -1075,6 +1103,8 @@ struct DriverResult {
     /// Tunnel calls that ended (done or reported), and those done.
     tunnel_calls: usize,
     tunnels_done: usize,
+    /// History syncs that answered.
+    history_syncs: usize,
     violations: Vec<Violation>,
 }
 
@@ -1317,9 +1347,29 @@ async fn drive(cfg: SimConfig, devs: Vec<mpsc::Sender<Cmd>>, world: Arc<World>) 
     }
 
     // Give each group a couple of members before the faults start (the
-    // creator, its only admin, invites them).
+    // creator, its only admin, invites them); with tunnels on, the creator
+    // first lets members hand on the group's history.
     for (gi, gb) in groups.iter_mut().enumerate() {
         let by = *gb.members.iter().next().unwrap_or(&0);
+        if cfg.tunnels {
+            let g = gb.id;
+            let r = ask(&devs[by], OP_LIMIT, |r| Cmd::ShareHistory(g, SHARE_LAST, r)).await;
+            out.ops += 1;
+            if let Some(Ok(l)) = &r {
+                out.ops_ok += 1;
+                out.history.accepted.push(Accepted {
+                    group: g,
+                    by: id_of(by),
+                    epoch: l.epoch,
+                    hub: l.hub.clone(),
+                    at_ms: now_ms(),
+                });
+            }
+            world.trace(format!(
+                "{} setup g{gi} history {SHARE_LAST} by dev{by} -> {r:?}",
+                now_ms()
+            ));
+        }
         for _ in 0..rng.gen_range(1..=2usize) {
             let outsiders: Vec<usize> = (0..cfg.devices)
                 .filter(|k| !gb.members.contains(k))
@@ -1594,6 +1644,38 @@ async fn drive(cfg: SimConfig, devs: Vec<mpsc::Sender<Cmd>>, world: Arc<World>) 
             continue;
         }
         let pick = |rng: &mut ChaCha20Rng| member[rng.gen_range(0..member.len())];
+        if cfg.tunnels && member.len() >= 2 && rng.gen_bool(0.06) {
+            // A member asks another for the group's history: never more
+            // than the group allows (duplicates are judged with every
+            // delivery, by `message-duplicated`).
+            out.ops += 1;
+            let by = pick(&mut rng);
+            let r = ask(&devs[by], OP_LIMIT, |r| Cmd::SyncHistory(g, r)).await;
+            if let Some(Ok(h)) = &r {
+                out.ops_ok += 1;
+                out.history_syncs += 1;
+                if h.received + h.duplicates > h.allowed || h.allowed > SHARE_LAST {
+                    out.violations.push(Violation::new(
+                        "history-bound",
+                        Some(g),
+                        vec![id_of(by)],
+                        format!(
+                            "op {step}: {} messages handed on ({} new), the group allows {} (set to {SHARE_LAST})",
+                            h.received + h.duplicates,
+                            h.received,
+                            h.allowed
+                        ),
+                    ));
+                }
+            }
+            world.trace(format!(
+                "{} op {step} g{gi} history dev{by} -> {:?}",
+                now_ms(),
+                r.map(|x| x.map(|h| (h.allowed, h.received, h.duplicates)))
+            ));
+            tokio::time::sleep(Duration::from_millis(rng.gen_range(0..300))).await;
+            continue;
+        }
         if cfg.tunnels && member.len() >= 2 && rng.gen_bool(0.2) {
             // A tunnel call between two members.
             out.ops += 1;

@@ -622,13 +622,15 @@ fn all_faults_a_commit_on_an_erased_branch_is_learned() {
     holds_with_all_faults(548);
 }
 
-/// Tunnel calls between members, with every fault on: each call's items
-/// arrive in order exactly once, or the call says why it ended
-/// (`tunnel-order`); and calls do complete.
+/// Tunnel calls and history syncs between members, with every fault on:
+/// each call's items arrive in order exactly once, or the call says why
+/// it ended (`tunnel-order`); a sync hands on no more than the group
+/// allows (`history-bound`) and nothing twice (`message-duplicated`); and
+/// calls and syncs do complete.
 #[test]
-fn tunnel_calls_hold_with_all_faults() {
-    let mut done = 0;
-    for seed in [2, 3] {
+fn tunnel_calls_and_history_syncs_hold_with_all_faults() {
+    let (mut done, mut synced) = (0, 0);
+    for seed in [3, 5] {
         let r = run_in_process_with(seed, 30, "all", &["--tunnels"]);
         assert_eq!(r["violations"], serde_json::json!([]), "seed {seed}");
         assert!(
@@ -636,8 +638,10 @@ fn tunnel_calls_hold_with_all_faults() {
             "seed {seed}: {r}"
         );
         done += r["tunnels_done"].as_u64().unwrap_or(0);
+        synced += r["history_syncs"].as_u64().unwrap_or(0);
     }
     assert!(done > 0, "no tunnel call got all its items");
+    assert!(synced > 0, "no history sync answered");
 }
 
 fn holds_with_all_faults(seed: u64) -> serde_json::Value {
