@@ -365,10 +365,20 @@ impl GroupPeerManager {
 
     /// Say `Away` on every connected hub of every group, within
     /// [`AWAY_BUDGET`] in all: the device is stopping. Best effort: the
-    /// others keep when it was last seen.
+    /// others keep when it was last seen. A beacon that could not be posted
+    /// is counted in `control_failures` (one still out at the budget is
+    /// dropped with the stop).
     pub(crate) async fn announce_away(&self) {
-        let Ok(groups) = self.shared.records.groups() else {
-            return;
+        let groups = match self.shared.records.groups() {
+            Ok(g) => g,
+            Err(e) => {
+                self.shared
+                    .counters
+                    .control_failures
+                    .fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(error = %e, "no Away beacons: the groups could not be read");
+                return;
+            }
         };
         let links: BTreeSet<String> = lock(&self.shared.links)
             .iter()
@@ -381,7 +391,17 @@ impl GroupPeerManager {
                 let me = self.clone();
                 let group = rec.id;
                 sends.spawn(async move {
-                    let _ = me.announce(group, &hub, PresenceState::Away, false).await;
+                    // The device is stopping: nobody is left to return this
+                    // to, so it is counted where an operator sees it (a
+                    // missed Away only leaves the device listed as last
+                    // seen live until the others' presence ages it out).
+                    if let Err(e) = me.announce(group, &hub, PresenceState::Away, false).await {
+                        me.shared
+                            .counters
+                            .control_failures
+                            .fetch_add(1, Ordering::Relaxed);
+                        tracing::debug!(%group, hub, error = %e, "Away beacon not posted");
+                    }
                 });
             }
         }
