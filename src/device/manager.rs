@@ -640,9 +640,6 @@ impl GroupPeerManager {
             (o.0)(&e);
         }
         self.tunnels_follow(&e);
-        if let Event::Removed { group } = &e {
-            lock(&self.shared.presence).forget(*group);
-        }
         let _ = self.shared.events.send(e);
     }
 
@@ -1091,7 +1088,8 @@ impl GroupPeerManager {
         Ok(())
     }
 
-    /// Dispose every peer of a group.
+    /// Dispose every peer of a group and what this device keeps in memory
+    /// about it (topics, checks, presence).
     pub async fn remove_group(&self, group: GroupId) {
         let peers: Vec<GroupPeer> = {
             let mut p = lock(&self.shared.peers);
@@ -1104,6 +1102,9 @@ impl GroupPeerManager {
         lock(&self.shared.topics).remove(&group);
         lock(&self.shared.former_checked).remove(&group);
         lock(&self.shared.sends_unpruned).remove(&group);
+        // Who was live in a group this device left says nothing any more.
+        lock(&self.shared.presence).forget(group);
+        lock(&self.shared.presence_sent).retain(|(g, _), _| *g != group);
     }
 
     /// Make the group's peers follow the hubs its ledger binds (or its
