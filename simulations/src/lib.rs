@@ -851,6 +851,9 @@ async fn device_host(
     o.outbox.retry_base = Duration::from_millis(100);
     o.outbox.retry_max = Duration::from_secs(2);
     o.manager.commit_deadline = Duration::from_secs(60);
+    // A tunnel call to a member cut off must end well within the
+    // operation limit, reported as idle.
+    o.manager.tunnel_idle_timeout = Duration::from_secs(30);
     o.manager.key_package_lifetime = SIM_KEY_PACKAGE_LIFETIME;
     let w = world.clone();
     o.manager.observer = Some(Observer(Arc::new(move |e: &Event| {
@@ -1121,6 +1124,12 @@ async fn ask<T>(
 }
 
 const OP_LIMIT: Duration = Duration::from_secs(90);
+
+/// How long a tunnel call may take: with connections breaking mid-frame a
+/// call goes on slowly (a resend waits up to 16 s, a publish times out in
+/// 5 s), but one that stops moving closes after the simulation's idle
+/// timeout of 30 s.
+const TUNNEL_LIMIT: Duration = Duration::from_secs(300);
 
 /// The driver's belief about one device's admin rights in one group.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -1687,7 +1696,7 @@ async fn drive(cfg: SimConfig, devs: Vec<mpsc::Sender<Cmd>>, world: Arc<World>) 
                 }
             };
             let n = rng.gen_range(1..=64);
-            let r = ask(&devs[by], OP_LIMIT, |r| Cmd::Tunnel(g, id_of(to), n, r)).await;
+            let r = ask(&devs[by], TUNNEL_LIMIT, |r| Cmd::Tunnel(g, id_of(to), n, r)).await;
             match &r {
                 Some(c) => {
                     out.tunnel_calls += 1;
@@ -1709,7 +1718,7 @@ async fn drive(cfg: SimConfig, devs: Vec<mpsc::Sender<Cmd>>, world: Arc<World>) 
                         "tunnel-order",
                         Some(g),
                         vec![id_of(by), id_of(to)],
-                        format!("op {step}: a tunnel call neither ended nor reported why within {OP_LIMIT:?}"),
+                        format!("op {step}: a tunnel call neither ended nor reported why within {TUNNEL_LIMIT:?}"),
                     ));
                 }
                 None => {}

@@ -83,8 +83,9 @@ pub struct ManagerConfig {
     /// too. Off: a stranded group waits for a commit
     /// (`commit_with_recovery`) or the app's `rejoin_group`.
     pub auto_rejoin: bool,
-    /// A tunnel on which nothing went either way for this long closes
-    /// ([`super::tunnel::CloseReason::Idle`]).
+    /// A tunnel on which nothing came from the other side and no new data
+    /// went to it for this long closes ([`super::tunnel::CloseReason::Idle`]):
+    /// resends to a device that stopped answering do not keep it open.
     pub tunnel_idle_timeout: Duration,
 }
 

@@ -78,7 +78,8 @@ pub enum CloseReason {
     /// The other device closed it, saying why.
     #[error("the other device closed the tunnel: {0}")]
     Remote(String),
-    /// Nothing went either way for the idle timeout
+    /// Nothing came from the other side and no new data went to it for
+    /// the idle timeout
     /// ([`super::ManagerConfig::tunnel_idle_timeout`]).
     #[error("idle")]
     Idle,

@@ -184,10 +184,12 @@ impl Session {
             self.sent_at_ms = now_ms;
             self.resend_ms = (self.resend_ms * 2).min(RESEND_MAX_MS);
         }
+        let mut fresh = false;
         while self.in_flight.len() < WINDOW {
             let Some((last, bytes)) = self.queued.pop_front() else {
                 break;
             };
+            fresh = true;
             if self.in_flight.is_empty() {
                 self.sent_at_ms = now_ms;
             }
@@ -198,7 +200,9 @@ impl Session {
             });
             self.in_flight.push_back((last, bytes));
         }
-        if !out.is_empty() {
+        // Only new data is activity: acks and resends to a side that
+        // stopped answering must not keep the tunnel open for ever.
+        if fresh {
             self.active_ms = now_ms;
         }
         out
@@ -301,7 +305,9 @@ impl Session {
         self.closed
     }
 
-    /// How long nothing was sent or received, at `now_ms`.
+    /// How long nothing was received and no new data sent, at `now_ms`
+    /// (resends and acks do not count: a side that stopped answering lets
+    /// the tunnel go idle however long the other resends).
     pub fn idle_ms(&self, now_ms: u64) -> u64 {
         now_ms.saturating_sub(self.active_ms)
     }
@@ -481,5 +487,19 @@ mod tests {
         assert_eq!(a.idle_ms(800), 100);
         b.receive(f[0].clone(), 900).unwrap();
         assert_eq!(b.idle_ms(1000), 100);
+    }
+
+    #[test]
+    fn resends_to_a_silent_side_do_not_keep_a_tunnel_busy() {
+        let mut a = Session::new(0);
+        a.queue(b"x").unwrap();
+        assert_eq!(a.transmit(100).len(), 1);
+        // Nothing comes back: the chunk goes again and again.
+        let mut now = 100;
+        for _ in 0..5 {
+            now += RESEND_MAX_MS;
+            assert!(!a.transmit(now).is_empty(), "resent at {now}");
+        }
+        assert_eq!(a.idle_ms(now), now - 100);
     }
 }
