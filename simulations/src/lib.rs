@@ -307,6 +307,19 @@ struct Refusal {
     text: String,
 }
 
+impl Landed {
+    /// The history's record of this commit, by `by` in `group`, now.
+    fn accepted(&self, group: GroupId, by: DeviceId) -> Accepted {
+        Accepted {
+            group,
+            by,
+            epoch: self.epoch,
+            hub: self.hub.clone(),
+            at_ms: now_ms(),
+        }
+    }
+}
+
 /// What a commit operation answered.
 type Outcome = Result<Landed, Refusal>;
 
@@ -1366,13 +1379,7 @@ async fn drive(cfg: SimConfig, devs: Vec<mpsc::Sender<Cmd>>, world: Arc<World>) 
             out.ops += 1;
             if let Some(Ok(l)) = &r {
                 out.ops_ok += 1;
-                out.history.accepted.push(Accepted {
-                    group: g,
-                    by: id_of(by),
-                    epoch: l.epoch,
-                    hub: l.hub.clone(),
-                    at_ms: now_ms(),
-                });
+                out.history.accepted.push(l.accepted(g, id_of(by)));
             }
             world.trace(format!(
                 "{} setup g{gi} history {SHARE_LAST} by dev{by} -> {r:?}",
@@ -1392,13 +1399,7 @@ async fn drive(cfg: SimConfig, devs: Vec<mpsc::Sender<Cmd>>, world: Arc<World>) 
             if let Some(Ok(l)) = &r {
                 out.ops_ok += 1;
                 gb.members.insert(who);
-                out.history.accepted.push(Accepted {
-                    group: g,
-                    by: id_of(by),
-                    epoch: l.epoch,
-                    hub: l.hub.clone(),
-                    at_ms: now_ms(),
-                });
+                out.history.accepted.push(l.accepted(g, id_of(by)));
             }
             world.trace(format!(
                 "{} setup g{gi} invite dev{who} by dev{by} -> {r:?}",
@@ -1770,13 +1771,7 @@ async fn drive(cfg: SimConfig, devs: Vec<mpsc::Sender<Cmd>>, world: Arc<World>) 
             out.ops_ok += usize::from(rs.iter().all(|r| matches!(r, Some(Ok(_)))));
             for (by, r) in who.iter().zip(&rs) {
                 if let Some(Ok(l)) = r {
-                    out.history.accepted.push(Accepted {
-                        group: g,
-                        by: id_of(*by),
-                        epoch: l.epoch,
-                        hub: l.hub.clone(),
-                        at_ms: now_ms(),
-                    });
+                    out.history.accepted.push(l.accepted(g, id_of(*by)));
                 }
             }
             format!("concurrent {who:?} -> {rs:?}")
@@ -1917,13 +1912,7 @@ async fn drive(cfg: SimConfig, devs: Vec<mpsc::Sender<Cmd>>, world: Arc<World>) 
             match r {
                 Some(Ok(l)) => {
                     out.ops_ok += 1;
-                    out.history.accepted.push(Accepted {
-                        group: g,
-                        by: id_of(by),
-                        epoch: l.epoch,
-                        hub: l.hub.clone(),
-                        at_ms: now_ms(),
-                    });
+                    out.history.accepted.push(l.accepted(g, id_of(by)));
                     if refuse {
                         out.violations.push(Violation::new(
                             "ledger-authority",

@@ -1051,12 +1051,7 @@ impl GroupPeerManager {
             tracing::info!(group = %env.group, "Welcome for a group still held: kept until this device sees its removal");
             return Ok(false);
         }
-        let body = MlsMessageIn::tls_deserialize_exact(&env.welcome)
-            .map_err(|e| DeviceError::Mls(e.to_string()))?
-            .extract();
-        let MlsMessageBodyIn::Welcome(welcome) = body else {
-            return Err(DeviceError::Mls("the envelope holds no Welcome".into()));
-        };
+        let welcome = welcome_of(env)?;
         let op = OpProvider::new(self.shared.registry.provider().clone());
         let staged = StagedWelcome::new_from_welcome(&op, &mls::join_config(), welcome, None)
             .map_err(|e| match e {
@@ -1516,12 +1511,7 @@ fn welcome_epoch(
     manager: &GroupPeerManager,
     env: &WelcomeEnvelope,
 ) -> Result<Option<u64>, DeviceError> {
-    let body = MlsMessageIn::tls_deserialize_exact(&env.welcome)
-        .map_err(|e| DeviceError::Mls(e.to_string()))?
-        .extract();
-    let MlsMessageBodyIn::Welcome(welcome) = body else {
-        return Err(DeviceError::Mls("the envelope holds no Welcome".into()));
-    };
+    let welcome = welcome_of(env)?;
     // Only processed (the group secrets opened, the GroupInfo decrypted):
     // staging would refuse a group id this device holds.
     let op = OpProvider::new(manager.shared.registry.provider().clone());
@@ -1529,5 +1519,16 @@ fn welcome_epoch(
         Ok(processed) => Ok(Some(processed.unverified_group_info().epoch().as_u64())),
         Err(WelcomeError::NoMatchingKeyPackage) => Ok(None),
         Err(e) => Err(DeviceError::Mls(e.to_string())),
+    }
+}
+
+/// The MLS Welcome an envelope carries.
+fn welcome_of(env: &WelcomeEnvelope) -> Result<Welcome, DeviceError> {
+    let body = MlsMessageIn::tls_deserialize_exact(&env.welcome)
+        .map_err(|e| DeviceError::Mls(e.to_string()))?
+        .extract();
+    match body {
+        MlsMessageBodyIn::Welcome(welcome) => Ok(welcome),
+        _ => Err(DeviceError::Mls("the envelope holds no Welcome".into())),
     }
 }

@@ -1602,8 +1602,6 @@ fn protocol_message(payload: &[u8]) -> Option<ProtocolMessage> {
         .ok()
 }
 
-/// A commit this device merged that `hub` no longer holds, with its frame
-/// still kept to give back.
 /// Where a commit given back to a rewound log would go
 /// ([`GroupPeerManager::place_on`]).
 #[derive(Debug, PartialEq, Eq)]
@@ -1616,6 +1614,8 @@ enum Place {
     Behind,
 }
 
+/// A commit this device merged that `hub` no longer holds, with its frame
+/// still kept to give back.
 fn is_lost(k: &MergedCommit, hub: &str) -> bool {
     k.hub == hub && k.seq.is_none() && !k.payload.is_empty() && k.commit_seed.is_some()
 }
