@@ -254,6 +254,29 @@ impl SledKv {
         let db = sled::Config::new().path(dir).open()?;
         Ok(Self { db })
     }
+
+    /// Open the database in `dir` like [`SledKv::open`], but while its lock
+    /// is held, try again for up to `patience`. Sled lets go of a dropped
+    /// database's lock from its background flusher a moment after the drop,
+    /// so reopening a directory in the same process (a device closed and
+    /// opened again) must wait for it. Blocks the calling thread.
+    ///
+    /// # Errors
+    /// [`KvError::Engine`] when the directory cannot be opened, or is still
+    /// locked after `patience` (another process holds it).
+    pub fn open_waiting(dir: &Path, patience: std::time::Duration) -> Result<Self, KvError> {
+        let deadline = std::time::Instant::now() + patience;
+        loop {
+            match Self::open(dir) {
+                Err(KvError::Engine(e))
+                    if e.contains("acquire lock") && std::time::Instant::now() < deadline =>
+                {
+                    std::thread::sleep(std::time::Duration::from_millis(50));
+                }
+                other => return other,
+            }
+        }
+    }
 }
 
 impl KvStore for SledKv {

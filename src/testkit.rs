@@ -77,18 +77,15 @@ pub fn signing_key(n: u64) -> SigningKey {
 /// Open sled in `dir`, waiting briefly for a previous user in this process
 /// to let go of its lock (sled releases it from a background thread).
 pub async fn open_sled(dir: &Path) -> io::Result<SledKv> {
-    let mut tries = 0;
-    loop {
-        match SledKv::open(dir) {
-            Ok(kv) => return Ok(kv),
-            Err(e) if tries < 50 && e.to_string().contains("lock") => {
-                tries += 1;
-                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-            }
-            Err(e) => return Err(io::Error::other(e)),
-        }
-    }
+    let dir = dir.to_path_buf();
+    tokio::task::spawn_blocking(move || SledKv::open_waiting(&dir, SLED_LOCK_PATIENCE))
+        .await
+        .map_err(io::Error::other)?
+        .map_err(io::Error::other)
 }
+
+/// How long tests wait for sled's lock on a directory they reopen.
+pub const SLED_LOCK_PATIENCE: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// A certificate authority made at run time, and a certificate it issued
 /// for `localhost`, `127.0.0.1` and `::1`: what a TLS [`TestHub`] serves

@@ -1228,7 +1228,15 @@ async fn a_former_commit_hub_restored_from_before_the_move_is_given_the_move_bac
     // would ask a, hear of a later epoch before a gave the move back, and
     // strand (and rejoin) instead of following the move.
     eventually("b's probe after joining concluded", || {
-        !b.manager().record(g).unwrap().probe_owed
+        !b.manager()
+            .record(g)
+            .unwrap_or_else(|e| {
+                panic!(
+                    "b holds no record of the group ({e:?}); its events: {:?}",
+                    wb.snapshot()
+                )
+            })
+            .probe_owed
     })
     .await;
 
@@ -2269,7 +2277,15 @@ async fn ledger_requests_beyond_the_bound_are_dropped_and_counted() {
     let g = group_with_incomplete_member(&a, &[], &b, &wb, &u).await;
     // b's probe after joining is answered first (it takes a task too).
     eventually("b's probe after joining concluded", || {
-        !b.manager().record(g).unwrap().probe_owed
+        !b.manager()
+            .record(g)
+            .unwrap_or_else(|e| {
+                panic!(
+                    "b holds no record of the group ({e:?}); its events: {:?}",
+                    wb.snapshot()
+                )
+            })
+            .probe_owed
     })
     .await;
     // Every answer task of `a` stays busy for the whole test.

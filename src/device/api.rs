@@ -98,9 +98,16 @@ impl Device {
     ///
     /// # Errors
     /// `Store` when the directory cannot be opened (for example another
-    /// process holds it).
+    /// process holds it: a device closed a moment ago in this process is
+    /// waited for, up to five seconds, while sled lets go of its lock).
     pub async fn open(dir: &Path, options: DeviceOptions) -> Result<Device, DeviceError> {
-        let kv: Arc<dyn KvStore> = Arc::new(SledKv::open(dir)?);
+        let path = dir.to_path_buf();
+        let opened = tokio::task::spawn_blocking(move || {
+            SledKv::open_waiting(&path, std::time::Duration::from_secs(5))
+        })
+        .await
+        .map_err(|e| DeviceError::Store(e.to_string()))?;
+        let kv: Arc<dyn KvStore> = Arc::new(opened?);
         Self::open_store(kv, options).await
     }
 

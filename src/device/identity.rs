@@ -180,10 +180,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mut rng = ChaCha20Rng::seed_from_u64(7);
         let first = {
-            let kv = SledKv::open(dir.path()).unwrap();
+            let kv = SledKv::open_waiting(dir.path(), crate::testkit::SLED_LOCK_PATIENCE).unwrap();
             DeviceIdentity::load_or_create(&kv, &mut rng).unwrap().id()
         };
-        let kv = SledKv::open(dir.path()).unwrap();
+        let kv = SledKv::open_waiting(dir.path(), crate::testkit::SLED_LOCK_PATIENCE).unwrap();
         // A different RNG proves the key was loaded, not regenerated.
         let mut other = ChaCha20Rng::seed_from_u64(8);
         let again = DeviceIdentity::load_or_create(&kv, &mut other).unwrap();

@@ -330,7 +330,10 @@ mod tests {
         }
 
         fn sled(dir: &Path, seed: u64) -> Self {
-            Self::start(Arc::new(SledKv::open(dir).unwrap()), seed)
+            Self::start(
+                Arc::new(SledKv::open_waiting(dir, crate::testkit::SLED_LOCK_PATIENCE).unwrap()),
+                seed,
+            )
         }
 
         /// Run one operation and make its writes durable as one batch.
@@ -533,7 +536,7 @@ mod tests {
         };
         WRITE_JSON.set(false);
         let stored_first_bytes = |dir: &Path| {
-            let kv = SledKv::open(dir).unwrap();
+            let kv = SledKv::open_waiting(dir, crate::testkit::SLED_LOCK_PATIENCE).unwrap();
             kv.scan_prefix(MLS_KEY_PREFIX, usize::MAX)
                 .unwrap()
                 .into_iter()

@@ -1238,7 +1238,7 @@ mod tests {
     }
 
     fn open(dir: &Path) -> Arc<dyn KvStore> {
-        Arc::new(SledKv::open(dir).unwrap())
+        Arc::new(SledKv::open_waiting(dir, crate::testkit::SLED_LOCK_PATIENCE).unwrap())
     }
 
     fn commit(kv: &Arc<dyn KvStore>, s: StagedStorage) {
