@@ -6,14 +6,19 @@ use hubsync::wire::DeviceId;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex, OnceLock};
 
+/// An invariant's name. (An alias: serde would take a spelled-out
+/// `&'static str` field for one borrowed from the input.)
+pub type Name = &'static str;
+
 /// One broken invariant.
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Violation {
     /// Which invariant: `convergence`, `ledger-head`, `membership`,
     /// `accepted-commits`, `ledger-authority`, `message-lost`,
     /// `message-duplicated`, `outbox-drained`, `no-panic`, `quiescence`,
     /// `strand-without-cause`.
-    pub invariant: &'static str,
+    #[serde(deserialize_with = "interned")]
+    pub invariant: Name,
     /// The group, hex.
     pub group: Option<String>,
     /// The devices involved (short hex).
@@ -37,6 +42,24 @@ impl Violation {
             detail,
         }
     }
+}
+
+/// An invariant's name read back from a report (a seed run in its own
+/// process): each distinct name is allocated once for the process, so the
+/// few names there are stay `&'static` without growing per report.
+fn interned<'de, D: serde::Deserializer<'de>>(d: D) -> Result<&'static str, D::Error> {
+    static NAMES: OnceLock<Mutex<std::collections::BTreeSet<&'static str>>> = OnceLock::new();
+    let name = <String as serde::Deserialize>::deserialize(d)?;
+    let mut names = NAMES
+        .get_or_init(Mutex::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    if let Some(known) = names.get(name.as_str()) {
+        return Ok(known);
+    }
+    let leaked: &'static str = Box::leak(name.into_boxed_str());
+    names.insert(leaked);
+    Ok(leaked)
 }
 
 impl std::fmt::Display for Violation {

@@ -202,6 +202,14 @@ pub struct SimConfig {
     /// procedure answers a count of numbered items, which must arrive in
     /// order exactly once, or the call must report why it ended.
     pub tunnels: bool,
+    /// Tokio tasks spawned (and finished) before the run. Tokio numbers
+    /// tasks from one counter per process, and a crashed host's tasks are
+    /// dropped in an order that follows those numbers (its task list is
+    /// sharded by task id), so the same seed after another number of tasks
+    /// is another run: this replays a seed under another drop order. Only
+    /// a fresh process starts the counter at a known value, which is why
+    /// the binary runs every seed in its own process.
+    pub tasks_before: u64,
 }
 
 impl SimConfig {
@@ -217,26 +225,31 @@ impl SimConfig {
             faults: Faults::ALL,
             breaks: Breaks::default(),
             tunnels: false,
+            tasks_before: 0,
         }
     }
 
     /// The command that replays this run.
     pub fn replay_command(&self) -> String {
         format!(
-            "cargo run --release -p hubsync-sim -- --seed {} --devices {} --hubs {} --groups {} --ops {} --faults {}{}",
+            "cargo run --release -p hubsync-sim -- --seed {} --devices {} --hubs {} --groups {} --ops {} --faults {}{}{}",
             self.seed,
             self.devices,
             self.hubs,
             self.groups,
             self.ops,
             self.faults.to_arg(),
-            if self.tunnels { " --tunnels" } else { "" }
+            if self.tunnels { " --tunnels" } else { "" },
+            match self.tasks_before {
+                0 => String::new(),
+                n => format!(" --tasks-before {n}"),
+            }
         )
     }
 }
 
 /// What one run found and measured.
-#[derive(Clone, Debug, serde::Serialize)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct SeedReport {
     /// The seed.
     pub seed: u64,
@@ -287,6 +300,38 @@ pub struct SeedReport {
     pub converge_ms: Option<u64>,
     /// Simulated ms of the whole run.
     pub sim_ms: u64,
+}
+
+impl SeedReport {
+    /// The report of a seed whose process died before it could report:
+    /// one `no-panic` violation saying why, nothing measured.
+    pub fn process_died(seed: u64, why: String) -> Self {
+        Self {
+            seed,
+            violations: vec![Violation::new("no-panic", None, Vec::new(), why)],
+            trace_hash: String::new(),
+            ops: 0,
+            ops_ok: 0,
+            messages_sent: 0,
+            deliveries: 0,
+            commits: 0,
+            faults_injected: 0,
+            rewinds: 0,
+            outages: 0,
+            stranger_frames: 0,
+            refused: 0,
+            tunnel_calls: 0,
+            tunnels_done: 0,
+            history_syncs: 0,
+            excused: 0,
+            strands: 0,
+            gathers: 0,
+            rejoins: 0,
+            recoveries_failed: 0,
+            converge_ms: None,
+            sim_ms: 0,
+        }
+    }
 }
 
 /// A commit that landed: the epoch it made and the committer's commit hub
@@ -543,8 +588,24 @@ fn host_clock() -> Clock {
     Clock::tokio(SIM_EPOCH_MS + now_ms())
 }
 
+/// Spawn `n` empty tokio tasks and wait for them: moves tokio's task-id
+/// counter on by `n` (see [`SimConfig::tasks_before`]).
+fn spend_task_ids(n: u64) {
+    let Ok(rt) = tokio::runtime::Builder::new_current_thread().build() else {
+        return;
+    };
+    rt.block_on(async {
+        for _ in 0..n {
+            let _ = tokio::spawn(async {}).await;
+        }
+    });
+}
+
 /// Run one seed to the end and check the invariants.
 pub fn run_seed(cfg: &SimConfig) -> SeedReport {
+    if cfg.tasks_before > 0 {
+        spend_task_ids(cfg.tasks_before);
+    }
     let panics = invariants::PanicCatcher::install();
     let world = Arc::new(World {
         trace: Mutex::new(Vec::new()),
