@@ -612,6 +612,18 @@ fn all_faults_a_restored_former_log_is_given_its_last_commit_back() {
     holds_with_all_faults(182);
 }
 
+/// Seed 1337: a hub restored from an older copy lost two commits; a
+/// member away during them came back and wrote its own commit of that
+/// epoch there, learned from the others that the group had moved on, and
+/// rejoined on their branch. Later the others checked that former log,
+/// met its abandoned commit where theirs had been, and stranded one after
+/// another, until nobody was left to answer. A commit whose writer has
+/// since committed on this device's branch no longer says ours lost.
+#[test]
+fn all_faults_an_abandoned_commit_on_a_former_log_strands_nobody() {
+    holds_with_all_faults(1337);
+}
+
 /// Seed 548: a member away while a hub rewound to empty committed and
 /// sent on the branch the rewind erased; it learned so later, when a
 /// member of that branch asked to rejoin, and was removed (its own invite

@@ -146,6 +146,11 @@ pub struct MergedCommit {
     /// change moves the group on only after it).
     #[serde(default)]
     pub commit_seed: Option<[u8; 32]>,
+    /// The device that wrote the frame to the hub (this device for its own
+    /// commits; a member giving a rewound hub back a commit writes it
+    /// again under its own name). `None` in records of earlier versions.
+    #[serde(default)]
+    pub writer: Option<DeviceId>,
 }
 
 /// Commit seeds of a lost branch remembered per group

@@ -954,6 +954,7 @@ impl GroupPeerManager {
             seq: Some(seq),
             payload,
             commit_seed: Some(grant.commit_seed),
+            writer: Some(me.id()),
         });
         rec.commit_seed = grant.commit_seed;
         rec.rotate_commit_seed(commit_seed);

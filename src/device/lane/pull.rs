@@ -571,7 +571,7 @@ impl GroupPeerManager {
                         // another member's commit of that epoch, ours would
                         // read as a commit from ahead to every reader there
                         // (sim seed 632). That loss is judged on its own.
-                        Place::Behind => break,
+                        Place::Behind | Place::Left => break,
                     }
                 }
                 let mut publish = crate::wire::Publish {
@@ -688,6 +688,14 @@ impl GroupPeerManager {
                 continue;
             }
             if pm.epoch().as_u64() == ours.epoch {
+                let writer_came_over = rec
+                    .merged
+                    .iter()
+                    .any(|k| k.epoch > ours.epoch && k.writer == Some(m.sender));
+                if writer_came_over {
+                    tracing::info!(%group, hub = ours.hub, epoch = ours.epoch, seq = m.seq, "a rewound log holds another member's commit where ours was, but its writer has since committed on our branch");
+                    return Ok(Place::Left);
+                }
                 tracing::warn!(%group, hub = ours.hub, epoch = ours.epoch, seq = m.seq, "a rewound log holds another member's commit where ours was: ours lost");
                 return Ok(Place::Taken);
             }
@@ -1134,6 +1142,7 @@ impl GroupPeerManager {
                 seq: m.seq,
                 digest: digest(&m.payload),
                 payload: m.payload.clone(),
+                writer: m.sender,
                 entries: entries.iter().map(Entry::encode).collect(),
                 folded,
                 roster,
@@ -1318,6 +1327,7 @@ impl GroupPeerManager {
                 seq,
                 digest: digest(&j.payload),
                 payload: j.payload.clone(),
+                writer: self.shared.identity.id(),
                 entries: j.entries.clone(),
                 folded: None,
                 roster: j.roster,
@@ -1369,6 +1379,7 @@ impl GroupPeerManager {
             seq: Some(l.seq),
             payload: l.payload,
             commit_seed: Some(rec.commit_seed),
+            writer: Some(l.writer),
         });
         let ledger_changed = !l.entries.is_empty() && rec.ledger_complete;
         if ledger_changed {
@@ -1585,6 +1596,8 @@ struct Landing<'a> {
     seq: u64,
     digest: [u8; 32],
     payload: Vec<u8>,
+    /// Who wrote the frame to the hub.
+    writer: DeviceId,
     /// The ledger with these entries applied, when the checks already
     /// folded it (so it is not folded twice).
     folded: Option<LedgerState>,
@@ -1612,6 +1625,12 @@ enum Place {
     Taken,
     /// A member's other commit holds the epoch before: ours cannot follow.
     Behind,
+    /// A member's other commit holds its epoch, but the member that wrote
+    /// it there has since committed on this device's branch: it left the
+    /// branch that commit began (sim seed 1337), so the commit says
+    /// nothing about ours. Not given back either: a reader of that log
+    /// would meet the other commit first.
+    Left,
 }
 
 /// A commit this device merged that `hub` no longer holds, with its frame
