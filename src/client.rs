@@ -8,9 +8,9 @@
 
 use crate::transport::{handshake_url, ws_config, Connector};
 use crate::wire::{
-    auth_message, Auth, ChangeOutcome, ClientFrame, Delivery, DeviceId, FetchResult, FrameRef,
-    HubError, Publish, PublishOutcome, Request, Response, ServerFrame, StoreId, SubscriptionChange,
-    TopicId, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
+    auth_message, Auth, Challenge, ChangeOutcome, ClientFrame, Delivery, DeviceId, FetchResult,
+    FrameRef, HubError, Publish, PublishOutcome, Request, Response, ServerFrame, StoreId,
+    SubscriptionChange, TopicId, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
 };
 use ed25519_dalek::{Signer, SigningKey};
 use futures::{SinkExt, StreamExt};
@@ -220,31 +220,9 @@ impl HubClient {
                 )))
             }
         };
-        let version = PROTOCOL_VERSION.min(challenge.max_version);
-        if version < challenge.min_version || version < MIN_PROTOCOL_VERSION {
-            return Err(ClientError::Version {
-                min: challenge.min_version,
-                max: challenge.max_version,
-                ours: PROTOCOL_VERSION,
-            });
-        }
-        let device = DeviceId(key.verifying_key().to_bytes());
-        let signature = key
-            .sign(&auth_message(
-                &challenge.nonce,
-                &url,
-                challenge.expires_at_ms,
-            ))
-            .to_bytes()
-            .to_vec();
-        let auth = ClientFrame::Auth(Auth {
-            version,
-            device,
-            nonce: challenge.nonce,
-            hub_url: url.clone(),
-            expires_at_ms: challenge.expires_at_ms,
-            signature,
-        });
+        let auth = answer_challenge(&challenge, &url, key)?;
+        let device = auth.device;
+        let auth = ClientFrame::Auth(auth);
         sink.send(Message::Binary(auth.encode().into()))
             .await
             .map_err(|_| ClientError::Disconnected)?;
@@ -683,6 +661,44 @@ impl HubClient {
             other => Err(unexpected(other)),
         }
     }
+}
+
+/// The device's answer to a hub's challenge: the newest version both
+/// speak, signed for `url` (the URL the device meant to reach, not the
+/// one the challenge names, so a hub cannot redirect a signature).
+///
+/// # Errors
+/// [`ClientError::Version`] when the challenge's range shares no version
+/// with this build's.
+pub(crate) fn answer_challenge(
+    challenge: &Challenge,
+    url: &str,
+    key: &SigningKey,
+) -> Result<Auth, ClientError> {
+    let version = PROTOCOL_VERSION.min(challenge.max_version);
+    if version < challenge.min_version || version < MIN_PROTOCOL_VERSION {
+        return Err(ClientError::Version {
+            min: challenge.min_version,
+            max: challenge.max_version,
+            ours: PROTOCOL_VERSION,
+        });
+    }
+    let signature = key
+        .sign(&auth_message(
+            &challenge.nonce,
+            url,
+            challenge.expires_at_ms,
+        ))
+        .to_bytes()
+        .to_vec();
+    Ok(Auth {
+        version,
+        device: DeviceId(key.verifying_key().to_bytes()),
+        nonce: challenge.nonce,
+        hub_url: url.to_string(),
+        expires_at_ms: challenge.expires_at_ms,
+        signature,
+    })
 }
 
 fn unexpected(r: Response) -> ClientError {

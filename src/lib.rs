@@ -10,6 +10,8 @@ pub mod bench;
 pub mod client;
 pub mod clock;
 pub mod device;
+#[doc(hidden)]
+pub mod fuzz;
 pub mod hub;
 pub mod kv;
 mod prom;

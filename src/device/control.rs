@@ -30,7 +30,7 @@ const CLAIMS_IN_FLIGHT: usize = 32;
 
 /// A key package as a hub holds it: bare, or in its standard MLSMessage
 /// form (what other MLS implementations upload).
-fn parse_key_package(bytes: &[u8]) -> Result<KeyPackageIn, String> {
+pub(super) fn parse_key_package(bytes: &[u8]) -> Result<KeyPackageIn, String> {
     if let Ok(kp) = KeyPackageIn::tls_deserialize_exact(bytes) {
         return Ok(kp);
     }

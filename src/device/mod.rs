@@ -9,6 +9,7 @@ pub mod directory;
 pub mod error;
 pub mod events;
 pub mod frames;
+pub(crate) mod fuzzing;
 pub mod gather;
 pub mod identity;
 pub mod inbox;

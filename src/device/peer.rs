@@ -1523,7 +1523,7 @@ fn welcome_epoch(
 }
 
 /// The MLS Welcome an envelope carries.
-fn welcome_of(env: &WelcomeEnvelope) -> Result<Welcome, DeviceError> {
+pub(super) fn welcome_of(env: &WelcomeEnvelope) -> Result<Welcome, DeviceError> {
     let body = MlsMessageIn::tls_deserialize_exact(&env.welcome)
         .map_err(|e| DeviceError::Mls(e.to_string()))?
         .extract();

@@ -57,7 +57,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 /// The HPKE `info` of a sealed [`Grant`].
-const GRANT_INFO: &[u8] = b"hubsync rejoin answer v1";
+pub(super) const GRANT_INFO: &[u8] = b"hubsync rejoin answer v1";
 
 /// What a request's signature covers, after this domain.
 const REQUEST_DOMAIN: &[u8] = b"hubsync rejoin request v1";

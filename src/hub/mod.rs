@@ -8,6 +8,7 @@
 mod announce;
 mod core;
 mod flush;
+pub(crate) mod fuzzing;
 mod layout;
 mod limits;
 mod metrics;

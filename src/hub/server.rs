@@ -360,13 +360,7 @@ fn verify(
     nonce: &[u8; 32],
     expires_at_ms: u64,
 ) -> Result<u16, HubError> {
-    if !(MIN_PROTOCOL_VERSION..=PROTOCOL_VERSION).contains(&auth.version) {
-        return Err(HubError::UnsupportedVersion {
-            requested: auth.version,
-            min: MIN_PROTOCOL_VERSION,
-            max: PROTOCOL_VERSION,
-        });
-    }
+    check_version(auth)?;
     let now = shared.clock.now_ms();
     {
         let used = shared.used_nonces.lock().unwrap_or_else(|p| p.into_inner());
@@ -374,6 +368,52 @@ fn verify(
             return Err(HubError::ChallengeReplayed);
         }
     }
+    check_challenge(auth, nonce, expires_at_ms, now, &shared.config.url)?;
+    // Consume the challenge. Used nonces are remembered until they expire;
+    // after that the expiry check refuses them anyway.
+    let mut used = shared.used_nonces.lock().unwrap_or_else(|p| p.into_inner());
+    if used.len() > 4096 {
+        used.retain(|_, exp| *exp >= now);
+    }
+    used.insert(auth.nonce, expires_at_ms);
+    Ok(auth.version)
+}
+
+/// Every check of an answer that needs nothing but the challenge it
+/// answers (no replay check: that needs the hub's record of used nonces).
+/// Answers the agreed version; kept apart from [`verify`] so that the
+/// fuzzing target `auth_exchange` runs the very checks the hub runs.
+pub(crate) fn check_answer(
+    auth: &Auth,
+    nonce: &[u8; 32],
+    expires_at_ms: u64,
+    now_ms: u64,
+    hub_url: &str,
+) -> Result<u16, HubError> {
+    check_version(auth)?;
+    check_challenge(auth, nonce, expires_at_ms, now_ms, hub_url)?;
+    Ok(auth.version)
+}
+
+fn check_version(auth: &Auth) -> Result<(), HubError> {
+    if !(MIN_PROTOCOL_VERSION..=PROTOCOL_VERSION).contains(&auth.version) {
+        return Err(HubError::UnsupportedVersion {
+            requested: auth.version,
+            min: MIN_PROTOCOL_VERSION,
+            max: PROTOCOL_VERSION,
+        });
+    }
+    Ok(())
+}
+
+/// The challenge's nonce and expiry, the hub URL and the signature.
+fn check_challenge(
+    auth: &Auth,
+    nonce: &[u8; 32],
+    expires_at_ms: u64,
+    now: u64,
+    hub_url: &str,
+) -> Result<(), HubError> {
     if &auth.nonce != nonce {
         return Err(HubError::UnknownChallenge);
     }
@@ -384,9 +424,9 @@ fn verify(
     if now > expires_at_ms {
         return Err(HubError::ChallengeExpired);
     }
-    if auth.hub_url.trim_end_matches('/') != shared.config.url {
+    if auth.hub_url.trim_end_matches('/') != hub_url {
         return Err(HubError::WrongHub {
-            expected: shared.config.url.clone(),
+            expected: hub_url.to_string(),
             got: auth.hub_url.clone(),
         });
     }
@@ -396,15 +436,7 @@ fn verify(
         &auth_message(&auth.nonce, &auth.hub_url, auth.expires_at_ms),
         &sig,
     )
-    .map_err(|_| HubError::BadSignature)?;
-    // Consume the challenge. Used nonces are remembered until they expire;
-    // after that the expiry check refuses them anyway.
-    let mut used = shared.used_nonces.lock().unwrap_or_else(|p| p.into_inner());
-    if used.len() > 4096 {
-        used.retain(|_, exp| *exp >= now);
-    }
-    used.insert(auth.nonce, expires_at_ms);
-    Ok(auth.version)
+    .map_err(|_| HubError::BadSignature)
 }
 
 /// An authenticated connection's request handling.

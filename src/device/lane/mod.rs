@@ -25,7 +25,10 @@ mod pull;
 
 pub use crate::device::loopback::is_loopback;
 pub(crate) use build::Plan;
+/// The commit frame and its authenticated data, for the fuzzing targets.
+pub(crate) use build::{enacted_aad, parse_enacted_aad, CommitFrame};
 pub use classify::SkipReason;
+pub(crate) use pull::protocol_message;
 pub use pull::{select_commit_hub, PullError, LOOPBACK_HUB};
 
 use super::ledger::{Entry, LedgerError};

@@ -1607,7 +1607,7 @@ struct Landing<'a> {
 
 /// The MLS protocol message a commit-topic frame carries, if it carries
 /// one.
-fn protocol_message(payload: &[u8]) -> Option<ProtocolMessage> {
+pub(crate) fn protocol_message(payload: &[u8]) -> Option<ProtocolMessage> {
     let frame = CommitFrame::parse(payload)?;
     MlsMessageIn::tls_deserialize_exact(frame.mls)
         .ok()?

@@ -41,7 +41,7 @@ const PAGE: usize = 100;
 
 /// One message of a history stream.
 #[derive(Debug, Serialize, Deserialize)]
-struct Item {
+pub(super) struct Item {
     sender: DeviceId,
     id: [u8; 16],
     #[serde(with = "serde_bytes")]

@@ -1,0 +1,8 @@
+#![no_main]
+//! libFuzzer entry of `hubsync::fuzz::mls_message` (see that function).
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| {
+    let target = hubsync::fuzz::target("mls_message").expect("a known target");
+    (target.run)(data);
+});
