@@ -2983,6 +2983,7 @@ async fn a_removed_member_naming_a_lost_branch_strands_nobody() {
             lost: Some(LostBranch {
                 from: e - 1,
                 marks: vec![lost_branch_mark(&g, &seed)],
+                taken_by: None,
             }),
             signature: Vec::new(),
         };
