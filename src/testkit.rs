@@ -45,7 +45,9 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio_rustls::rustls::pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer};
 
 mod postgres;
+mod power;
 pub use self::postgres::TestPostgres;
+pub use self::power::{PowerCutKv, PowerSwitch};
 
 /// Which store a test hub keeps its data in, for tests that run one body
 /// on each.
@@ -187,6 +189,8 @@ pub struct TestHub {
     location: Location,
     tls: Option<HubTls>,
     connector: NetConnector,
+    /// How the store is wrapped, again at each restart.
+    wrap: Option<StoreWrap>,
     _temp: Option<Arc<tempfile::TempDir>>,
 }
 
@@ -279,16 +283,20 @@ impl TestHub {
     }
 
     /// Stop the hub cleanly and start it again on the same store (and a new
-    /// port), as an operator's restart does.
+    /// port), as an operator's restart does; a store started with
+    /// [`start_wrapped`](Self::start_wrapped) is wrapped again. After a
+    /// [`PowerSwitch::cut`] the stop's flush fails (the machine is off) and
+    /// the hub boots again on what was flushed.
     ///
     /// # Errors
     /// When no port can be had or the store cannot be opened again.
     pub async fn restart(self, configure: impl FnOnce(&mut HubConfig)) -> io::Result<TestHub> {
         let dir = self.dir.clone();
         let location = self.location.clone();
+        let wrap = self.wrap.clone();
         let temp = self.stop().await;
         let mut hub =
-            Self::start_inner(&dir, &location, "127.0.0.1:0", None, None, configure).await?;
+            Self::start_inner(&dir, &location, "127.0.0.1:0", None, wrap, configure).await?;
         hub._temp = temp;
         Ok(hub)
     }
@@ -345,7 +353,8 @@ impl TestHub {
     }
 
     /// Like [`TestHub::start_with`], with the hub's sled store seen through
-    /// `wrap` (a [`FaultySwitch`], say, to make its writes fail on demand).
+    /// `wrap` (a [`FaultySwitch`], say, to make its writes fail on demand);
+    /// every [`restart`](Self::restart) wraps it again.
     ///
     /// # Errors
     /// When no port or directory can be had.
@@ -381,7 +390,7 @@ impl TestHub {
         let hub = match location {
             Location::Dir(dir) => {
                 let mut store: Arc<dyn KvStore> = Arc::new(open_sled(dir).await?);
-                if let Some(wrap) = wrap {
+                if let Some(wrap) = &wrap {
                     store = wrap(store);
                 }
                 Hub::start(store, config, Clock::System, rng).map_err(io::Error::other)?
@@ -415,6 +424,7 @@ impl TestHub {
             location: location.clone(),
             tls,
             connector,
+            wrap,
             _temp: None,
         })
     }
