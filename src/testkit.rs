@@ -673,6 +673,32 @@ impl TestDevice {
     pub fn dir(&self) -> &Path {
         self.dir.path()
     }
+
+    /// Invite `who` into `group`, trying again for up to `within` while
+    /// `who` has no key package on the hubs yet (a device just opened may
+    /// not have uploaded its own).
+    ///
+    /// # Errors
+    /// The invite's error once it is another than `NoKeyPackage`, or
+    /// `NoKeyPackage` still after `within`.
+    pub async fn invite_when_ready(
+        &self,
+        group: crate::device::GroupId,
+        who: crate::wire::DeviceId,
+        within: Duration,
+    ) -> Result<crate::device::lane::LaneResult, crate::device::lane::CommitError> {
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            match self.invite(group, who).await {
+                Err(crate::device::lane::CommitError::NoKeyPackage(_))
+                    if tokio::time::Instant::now() < deadline =>
+                {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                other => return other,
+            }
+        }
+    }
 }
 
 impl std::ops::Deref for TestDevice {

@@ -9,10 +9,10 @@ mod common;
 
 use common::*;
 use hubsync::client::Push;
-use hubsync::device::{CommitError, Event, GroupId};
+use hubsync::device::{Event, GroupId};
 use hubsync::hub::{HubConfig, Limits};
 use hubsync::testkit::{device_options, signing_key, PowerSwitch, TestDevice, TestHub};
-use hubsync::wire::{DeviceId, ExpectedHead, PublishOutcome, TopicId};
+use hubsync::wire::{ExpectedHead, PublishOutcome, TopicId};
 use std::time::Duration;
 
 const WAIT: Duration = Duration::from_secs(20);
@@ -89,20 +89,6 @@ async fn the_power_cut_test_fails_when_the_hubs_flushes_keep_nothing() {
     acked_publishes_survive_a_power_cut_of_the_hub(true).await;
 }
 
-/// A just-opened device may not have uploaded key packages yet.
-async fn invite_with_retry(by: &TestDevice, g: GroupId, who: DeviceId) {
-    let deadline = tokio::time::Instant::now() + WAIT;
-    loop {
-        match by.invite(g, who).await {
-            Ok(_) => return,
-            Err(CommitError::NoKeyPackage(_)) if tokio::time::Instant::now() < deadline => {
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-            Err(e) => panic!("invite failed: {e}"),
-        }
-    }
-}
-
 /// Wait until `d` has emitted an event `pred` accepts (since its latest
 /// open), or fail saying `what`.
 async fn until_event(d: &TestDevice, what: &str, pred: impl Fn(&Event) -> bool) {
@@ -142,7 +128,7 @@ async fn merged_and_landed_commits_survive_a_power_cut_of_a_device(lying_flushes
         .await
         .unwrap();
     let g = a.create_group(&urls).await.unwrap();
-    invite_with_retry(&a, g, b.id()).await;
+    a.invite_when_ready(g, b.id(), WAIT).await.expect("invite");
     until_event(
         &b,
         "b joining",
