@@ -45,7 +45,9 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio_rustls::rustls::pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer};
 
 mod postgres;
+mod power;
 pub use self::postgres::TestPostgres;
+pub use self::power::{PowerCutKv, PowerSwitch};
 
 /// Which store a test hub keeps its data in, for tests that run one body
 /// on each.
@@ -187,6 +189,8 @@ pub struct TestHub {
     location: Location,
     tls: Option<HubTls>,
     connector: NetConnector,
+    /// How the store is wrapped, again at each restart.
+    wrap: Option<StoreWrap>,
     _temp: Option<Arc<tempfile::TempDir>>,
 }
 
@@ -279,16 +283,20 @@ impl TestHub {
     }
 
     /// Stop the hub cleanly and start it again on the same store (and a new
-    /// port), as an operator's restart does.
+    /// port), as an operator's restart does; a store started with
+    /// [`start_wrapped`](Self::start_wrapped) is wrapped again. After a
+    /// [`PowerSwitch::cut`] the stop's flush fails (the machine is off) and
+    /// the hub boots again on what was flushed.
     ///
     /// # Errors
     /// When no port can be had or the store cannot be opened again.
     pub async fn restart(self, configure: impl FnOnce(&mut HubConfig)) -> io::Result<TestHub> {
         let dir = self.dir.clone();
         let location = self.location.clone();
+        let wrap = self.wrap.clone();
         let temp = self.stop().await;
         let mut hub =
-            Self::start_inner(&dir, &location, "127.0.0.1:0", None, None, configure).await?;
+            Self::start_inner(&dir, &location, "127.0.0.1:0", None, wrap, configure).await?;
         hub._temp = temp;
         Ok(hub)
     }
@@ -345,7 +353,8 @@ impl TestHub {
     }
 
     /// Like [`TestHub::start_with`], with the hub's sled store seen through
-    /// `wrap` (a [`FaultySwitch`], say, to make its writes fail on demand).
+    /// `wrap` (a [`FaultySwitch`], say, to make its writes fail on demand);
+    /// every [`restart`](Self::restart) wraps it again.
     ///
     /// # Errors
     /// When no port or directory can be had.
@@ -381,7 +390,7 @@ impl TestHub {
         let hub = match location {
             Location::Dir(dir) => {
                 let mut store: Arc<dyn KvStore> = Arc::new(open_sled(dir).await?);
-                if let Some(wrap) = wrap {
+                if let Some(wrap) = &wrap {
                     store = wrap(store);
                 }
                 Hub::start(store, config, Clock::System, rng).map_err(io::Error::other)?
@@ -415,6 +424,7 @@ impl TestHub {
             location: location.clone(),
             tls,
             connector,
+            wrap,
             _temp: None,
         })
     }
@@ -662,6 +672,32 @@ impl TestDevice {
     /// The device's directory.
     pub fn dir(&self) -> &Path {
         self.dir.path()
+    }
+
+    /// Invite `who` into `group`, trying again for up to `within` while
+    /// `who` has no key package on the hubs yet (a device just opened may
+    /// not have uploaded its own).
+    ///
+    /// # Errors
+    /// The invite's error once it is another than `NoKeyPackage`, or
+    /// `NoKeyPackage` still after `within`.
+    pub async fn invite_when_ready(
+        &self,
+        group: crate::device::GroupId,
+        who: crate::wire::DeviceId,
+        within: Duration,
+    ) -> Result<crate::device::lane::LaneResult, crate::device::lane::CommitError> {
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            match self.invite(group, who).await {
+                Err(crate::device::lane::CommitError::NoKeyPackage(_))
+                    if tokio::time::Instant::now() < deadline =>
+                {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                other => return other,
+            }
+        }
     }
 }
 

@@ -171,20 +171,6 @@ async fn drained(hub: &TestHub, device: DeviceId, within: Duration) {
     }
 }
 
-/// A just-opened device may not have uploaded key packages yet.
-async fn invite_with_retry(by: &TestDevice, g: GroupId, who: DeviceId) {
-    let deadline = tokio::time::Instant::now() + WAIT;
-    loop {
-        match by.invite(g, who).await {
-            Ok(_) => return,
-            Err(CommitError::NoKeyPackage(_)) if tokio::time::Instant::now() < deadline => {
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-            Err(e) => panic!("invite failed: {e}"),
-        }
-    }
-}
-
 /// Create a group on `creator` and bring every other device in.
 async fn group_of(
     creator: &TestDevice,
@@ -193,7 +179,10 @@ async fn group_of(
 ) -> GroupId {
     let g = creator.create_group(hubs).await.unwrap();
     for (d, w) in others {
-        invite_with_retry(creator, g, d.id()).await;
+        creator
+            .invite_when_ready(g, d.id(), WAIT)
+            .await
+            .expect("invite");
         w.until(
             "the Welcome",
             |e| matches!(e, Event::GroupJoined { group, .. } if *group == g),
@@ -1055,7 +1044,7 @@ async fn a_same_id_welcome_never_displaces_a_real_reinvite_kept_for_after_remova
 
     v.manager().faults().no_pull.store(true, SeqCst);
     a.remove(g, v.id()).await.unwrap();
-    invite_with_retry(&a, g, v.id()).await;
+    a.invite_when_ready(g, v.id(), WAIT).await.expect("invite");
     let records = Records::new(kv.clone());
     let deadline = tokio::time::Instant::now() + WAIT;
     while records.pending_welcomes(&g).unwrap().is_empty() {
@@ -1138,7 +1127,7 @@ async fn a_reinvite_from_a_member_granted_admin_unseen_is_kept_and_joined() {
     a.grant_admin(g, b.id()).await.unwrap();
     agree(&[&a, &b], g).await;
     b.remove(g, v.id()).await.unwrap();
-    invite_with_retry(&b, g, v.id()).await;
+    b.invite_when_ready(g, v.id(), WAIT).await.expect("invite");
     let records = Records::new(kv.clone());
     let deadline = tokio::time::Instant::now() + WAIT;
     while records.pending_welcomes(&g).unwrap().is_empty() {

@@ -104,26 +104,13 @@ async fn group_of(
 ) -> GroupId {
     let g = creator.create_group(hubs).await.unwrap();
     for (d, inbox) in others.iter_mut() {
-        invite_with_retry(creator, g, d.id()).await;
+        creator
+            .invite_when_ready(g, d.id(), WAIT)
+            .await
+            .expect("invite");
         inbox.until("the welcome", |i| i.joined(g)).await;
     }
     g
-}
-
-/// A just-opened device may not have uploaded key packages yet.
-async fn invite_with_retry(by: &TestDevice, g: GroupId, who: DeviceId) {
-    let deadline = tokio::time::Instant::now() + WAIT;
-    loop {
-        match by.invite(g, who).await {
-            Ok(_) => return,
-            Err(hubsync::device::CommitError::NoKeyPackage(_))
-                if tokio::time::Instant::now() < deadline =>
-            {
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-            Err(e) => panic!("invite failed: {e}"),
-        }
-    }
 }
 
 async fn converge(devices: &[&TestDevice], g: GroupId) -> (u64, Vec<u8>) {
@@ -469,7 +456,7 @@ async fn forwarding_carries_messages_across_a_partition() {
     // Only b reaches c's hub to claim its key package: b must be an admin.
     a.grant_admin(g, b.id()).await.unwrap();
     converge(&[&a, &b], g).await;
-    invite_with_retry(&b, g, c.id()).await;
+    b.invite_when_ready(g, c.id(), WAIT).await.expect("invite");
     ic.until("c to join", |i| i.joined(g)).await;
     converge(&[&a, &b, &c], g).await;
 

@@ -170,20 +170,6 @@ async fn hub_at(dir: &Path, addr: &str) -> TestHub {
     }
 }
 
-/// A just-opened device may not have uploaded key packages yet.
-async fn invite_with_retry(by: &TestDevice, g: GroupId, who: DeviceId) {
-    let deadline = tokio::time::Instant::now() + WAIT;
-    loop {
-        match by.invite(g, who).await {
-            Ok(_) => return,
-            Err(CommitError::NoKeyPackage(_)) if tokio::time::Instant::now() < deadline => {
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-            Err(e) => panic!("invite failed: {e}"),
-        }
-    }
-}
-
 /// Create a group on `creator` and bring every other device in.
 async fn group_of(
     creator: &TestDevice,
@@ -192,7 +178,10 @@ async fn group_of(
 ) -> GroupId {
     let g = creator.create_group(hubs).await.unwrap();
     for (d, w) in others {
-        invite_with_retry(creator, g, d.id()).await;
+        creator
+            .invite_when_ready(g, d.id(), WAIT)
+            .await
+            .expect("invite");
         let deadline = tokio::time::Instant::now() + WAIT;
         while !w.joined(g) {
             assert!(tokio::time::Instant::now() < deadline, "no welcome");
@@ -271,6 +260,20 @@ async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
         assert!(tokio::time::Instant::now() < deadline, "timed out: {what}");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// Wait until `d`'s probe after joining `g` concluded. `d`'s record of `g`
+/// is there all along: when it is not, `w`'s events say what took it.
+async fn probe_concluded(d: &TestDevice, w: &Watch, g: GroupId) {
+    eventually("the probe after joining concluded", || {
+        !d.manager()
+            .record(g)
+            .unwrap_or_else(|e| {
+                panic!("no record of the group ({e:?}); events: {:?}", w.snapshot())
+            })
+            .probe_owed
+    })
+    .await;
 }
 
 /// `from` sends `body`; each of `to` receives it exactly once.
@@ -980,8 +983,8 @@ async fn moved_on_past_a_welcome() -> MovedOnPastAWelcome {
     c.close().await;
 
     let g = a.create_group(&u).await.unwrap();
-    invite_with_retry(&a, g, cid).await;
-    invite_with_retry(&a, g, d.id()).await;
+    a.invite_when_ready(g, cid, WAIT).await.expect("invite");
+    a.invite_when_ready(g, d.id(), WAIT).await.expect("invite");
     d.close().await;
     // More commits than a remembers at all: the d invite, the last commit
     // of c's log, is not given back either.
@@ -1031,6 +1034,10 @@ async fn a_welcome_the_hub_lost_is_posted_again_however_many_commits_came_since(
         mut c,
         g,
         epoch_after_rejoin,
+        // Bound, so the hub and its directory live to the end of the test
+        // (fields left to `..` are dropped at the end of the statement).
+        _hub,
+        _dirs,
         ..
     } = moved_on_past_a_welcome().await;
     c.reopen().await.unwrap();
@@ -1073,6 +1080,10 @@ async fn a_probe_cut_short_by_a_stop_runs_again_when_the_device_starts() {
         mut c,
         g,
         epoch_after_rejoin,
+        // Bound, so the hub and its directory live to the end of the test
+        // (fields left to `..` are dropped at the end of the statement).
+        _hub,
+        _dirs,
         ..
     } = moved_on_past_a_welcome().await;
     // Nobody is there to answer the joiner's probe.
@@ -1227,18 +1238,7 @@ async fn a_former_commit_hub_restored_from_before_the_move_is_given_the_move_bac
     // b's probe after joining is answered now: owed at its reopen, it
     // would ask a, hear of a later epoch before a gave the move back, and
     // strand (and rejoin) instead of following the move.
-    eventually("b's probe after joining concluded", || {
-        !b.manager()
-            .record(g)
-            .unwrap_or_else(|e| {
-                panic!(
-                    "b holds no record of the group ({e:?}); its events: {:?}",
-                    wb.snapshot()
-                )
-            })
-            .probe_owed
-    })
-    .await;
+    probe_concluded(&b, &wb, g).await;
 
     // A copy of h0 from before the move.
     let (copy, h0) = backed_up(h0, dir.path(), &addr).await;
@@ -1360,7 +1360,7 @@ async fn a_member_brought_along_on_a_lost_branch_learns_it_from_the_rejoin_reque
     // so c is further on than b will be.
     b.close().await;
     a.set_commit_hub(g, &u[1]).await.unwrap();
-    invite_with_retry(&a, g, c.id()).await;
+    a.invite_when_ready(g, c.id(), WAIT).await.expect("invite");
     wc.until(
         "c joined",
         |ev| matches!(ev, Event::GroupJoined { group, .. } if *group == g),
@@ -1393,7 +1393,7 @@ async fn a_member_brought_along_on_a_lost_branch_learns_it_from_the_rejoin_reque
     assert_eq!(wb.stranded(), 0, "b won its epoch");
 
     let wc = Watch::from_now(&c);
-    invite_with_retry(&a, g, c.id()).await;
+    a.invite_when_ready(g, c.id(), WAIT).await.expect("invite");
     wc.until(
         "c joined again",
         |ev| matches!(ev, Event::GroupJoined { group, .. } if *group == g),
@@ -1668,7 +1668,7 @@ async fn a_granted_admin_can_invite_and_a_revoked_one_cannot() {
     a.grant_admin(g, b.id()).await.unwrap();
     agree(&[&a, &b], g).await;
     assert!(b.ledger_view(g).unwrap().admins.contains(&b.id()));
-    invite_with_retry(&b, g, c.id()).await;
+    b.invite_when_ready(g, c.id(), WAIT).await.expect("invite");
     wc.until(
         "c joins",
         |e| matches!(e, Event::GroupJoined { group, .. } if *group == g),
@@ -1898,7 +1898,7 @@ async fn a_group_with_no_hub_commits_through_the_loopback_hub_until_one_is_bound
     assert_eq!(rec.commit_hub, u[0], "commits move to the bound hub");
 
     let before = topic_of(&a, g);
-    invite_with_retry(&a, g, b.id()).await;
+    a.invite_when_ready(g, b.id(), WAIT).await.expect("invite");
     wb.until(
         "b joins",
         |e| matches!(e, Event::GroupJoined { group, .. } if *group == g),
@@ -2276,18 +2276,7 @@ async fn ledger_requests_beyond_the_bound_are_dropped_and_counted() {
     let wb = Watch::new(&b);
     let g = group_with_incomplete_member(&a, &[], &b, &wb, &u).await;
     // b's probe after joining is answered first (it takes a task too).
-    eventually("b's probe after joining concluded", || {
-        !b.manager()
-            .record(g)
-            .unwrap_or_else(|e| {
-                panic!(
-                    "b holds no record of the group ({e:?}); its events: {:?}",
-                    wb.snapshot()
-                )
-            })
-            .probe_owed
-    })
-    .await;
+    probe_concluded(&b, &wb, g).await;
     // Every answer task of `a` stays busy for the whole test.
     a.manager().faults().answer_delay_ms.store(60_000, SeqCst);
     let before = a.stats().dropped;
@@ -2739,7 +2728,7 @@ async fn group_with_member_short_by(
 ) {
     let faults = a.manager().faults();
     faults.welcome_ledger_short_by.store(short_by, SeqCst);
-    invite_with_retry(a, g, c.id()).await;
+    a.invite_when_ready(g, c.id(), WAIT).await.expect("invite");
     faults.welcome_ledger_short_by.store(0, SeqCst);
     wc.until(
         "the welcome",
@@ -2983,6 +2972,7 @@ async fn a_removed_member_naming_a_lost_branch_strands_nobody() {
             lost: Some(LostBranch {
                 from: e - 1,
                 marks: vec![lost_branch_mark(&g, &seed)],
+                taken_by: None,
             }),
             signature: Vec::new(),
         };
@@ -3108,7 +3098,7 @@ async fn a_member_on_a_log_restored_from_an_old_backup_learns_by_probe_that_the_
     b.close().await;
     // The group moves to another commit topic (a roster change) and on,
     // further than anyone remembers commits to give back.
-    invite_with_retry(&a, g, x.id()).await;
+    a.invite_when_ready(g, x.id(), WAIT).await.expect("invite");
     wx.until(
         "x joins",
         |ev| matches!(ev, Event::GroupJoined { group, .. } if *group == g),

@@ -1150,6 +1150,7 @@ impl GroupPeerManager {
             rendezvous_seed: Some(ext.topic_seed),
             lost_from: None,
             lost_seeds: Vec::new(),
+            lost_to: None,
             caught_up_at_ms: 0,
             // The Welcome may be one posted again after a restore, on a
             // commit log the restore emptied: only the members can say
@@ -1252,6 +1253,7 @@ impl GroupPeerManager {
             rendezvous_seed: Some(topic_seed),
             lost_from: None,
             lost_seeds: Vec::new(),
+            lost_to: None,
             caught_up_at_ms: 0,
             probe_owed: false,
         };

@@ -111,6 +111,13 @@ pub struct GroupRecord {
     /// one. Emptied when a rejoin lands.
     #[serde(default)]
     pub lost_seeds: Vec<[u8; 32]>,
+    /// The member that wrote the commit that took the place of this
+    /// device's on the lost branch's log, when known: its rejoin request
+    /// names it, and a member that has since merged a commit of that
+    /// member's on its own branch knows the claim is stale
+    /// ([`GroupRecord::came_over`]). Emptied with `lost_seeds`.
+    #[serde(default)]
+    pub lost_to: Option<DeviceId>,
     /// When a pull last found this device at the end of the group's commit
     /// log (ms on this device's clock; kept to within
     /// `CAUGHT_UP_GRANULARITY_MS`, so a busy group's record is not written
@@ -241,6 +248,17 @@ impl GroupRecord {
         for m in self.merged.iter_mut().filter(|m| m.hub == hub) {
             m.seq = None;
         }
+    }
+
+    /// Whether `writer` wrote a commit this device merged that was framed
+    /// after epoch `epoch`: a member whose commit of `epoch` took the
+    /// place of this device's on some log has since committed on this
+    /// device's branch, so it left the branch its commit began, and that
+    /// commit says nothing about this branch (sim seeds 1337, 1723).
+    pub fn came_over(&self, writer: &DeviceId, epoch: u64) -> bool {
+        self.merged
+            .iter()
+            .any(|k| k.epoch > epoch && k.writer.as_ref() == Some(writer))
     }
 
     /// Note that this device's branch from `epoch` on was lost (the

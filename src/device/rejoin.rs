@@ -157,6 +157,12 @@ pub struct LostBranch {
     /// of those epochs can match one, and neither the hub nor anyone else
     /// can learn a seed from it.
     pub marks: Vec<[u8; 32]>,
+    /// The member that wrote the commit that took the requester's place,
+    /// when the requester knows it: a member holding a mark that has since
+    /// merged a commit of that member's framed in `from` or later knows
+    /// the claim is stale (that member came over to this branch) and
+    /// answers instead of stranding.
+    pub taken_by: Option<DeviceId>,
 }
 
 /// The most marks a [`LostBranch`] may carry; a request with more is
@@ -179,7 +185,8 @@ pub fn lost_branch_mark(group: &GroupId, seed: &[u8; 32]) -> [u8; 32] {
 impl RejoinRequest {
     /// What the signature covers: the domain, then every other field
     /// (`lost` as a byte 0 when absent, else 1, `from` big-endian, the
-    /// number of marks as one byte, and the marks).
+    /// number of marks as one byte, the marks, and `taken_by` as a byte 0
+    /// when absent, else 1 and the device id).
     pub fn signed_bytes(&self) -> Vec<u8> {
         let mut m = REQUEST_DOMAIN.to_vec();
         m.extend_from_slice(&self.group.0);
@@ -194,6 +201,13 @@ impl RejoinRequest {
                 m.push(u8::try_from(l.marks.len()).unwrap_or(u8::MAX));
                 for mark in &l.marks {
                     m.extend_from_slice(mark);
+                }
+                match &l.taken_by {
+                    None => m.push(0),
+                    Some(d) => {
+                        m.push(1);
+                        m.extend_from_slice(&d.0);
+                    }
                 }
             }
         }
@@ -632,6 +646,7 @@ impl GroupPeerManager {
                     .iter()
                     .map(|s| lost_branch_mark(&group, s))
                     .collect(),
+                taken_by: rec.lost_to,
             });
         let mut request = RejoinRequest {
             group,
@@ -944,6 +959,7 @@ impl GroupPeerManager {
         // log the commit moved the group to.
         rec.stranded = false;
         rec.lost_seeds.clear();
+        rec.lost_to = None;
         rec.rendezvous_seed = Some(seed);
         rec.commit_hub = grant.commit_hub.clone();
         rec.merged.clear();
@@ -1301,7 +1317,16 @@ impl GroupPeerManager {
         let requester_is_member = self.member_set(&mut guard)?.contains(&r.device);
         if let Some(lost) = r.lost.as_ref().filter(|_| requester_is_member) {
             let marks: BTreeSet<[u8; 32]> = lost.marks.iter().copied().collect();
-            if rec.holds_any_seed(|s| marks.contains(&lost_branch_mark(&group, s))) {
+            let stale = lost
+                .taken_by
+                .is_some_and(|w| rec.came_over(&w, lost.from.saturating_sub(1)));
+            if stale {
+                // The member whose commit displaced the requester's has
+                // committed on our branch since: it left the branch its
+                // commit began, ours goes on, and the requester (on ours)
+                // is answered like any other (sim seed 1723).
+                tracing::info!(%group, from = lost.from, requester = %r.device, "a lost-branch claim its displacer has since contradicted: answered");
+            } else if rec.holds_any_seed(|s| marks.contains(&lost_branch_mark(&group, s))) {
                 // The requester's commit lost its place on a log this
                 // device never read (it joined after it, or followed it
                 // on a newer topic); its branch is ours. Strand, and
@@ -1395,6 +1420,7 @@ mod tests {
             lost: Some(LostBranch {
                 from: 7,
                 marks: vec![lost_branch_mark(&GroupId([1; 32]), &[6; 32])],
+                taken_by: Some(DeviceId([9; 32])),
             }),
             signature: Vec::new(),
         };
@@ -1410,6 +1436,12 @@ mod tests {
         let mut remarked = r.clone();
         remarked.lost.as_mut().unwrap().marks[0][0] ^= 1;
         assert!(!remarked.verify());
+        let mut blamed = r.clone();
+        blamed.lost.as_mut().unwrap().taken_by = Some(DeviceId([8; 32]));
+        assert!(!blamed.verify());
+        let mut unblamed = r.clone();
+        unblamed.lost.as_mut().unwrap().taken_by = None;
+        assert!(!unblamed.verify());
         // Another key, a changed field, a truncated signature.
         let mut forged = r.clone();
         forged.signature = other.sign(&r.signed_bytes()).to_bytes().to_vec();

@@ -563,8 +563,8 @@ impl GroupPeerManager {
                 if !current {
                     match self.place_on(group, link, topic, k, &rec).await? {
                         Place::Free => {}
-                        Place::Taken => {
-                            self.strand_lost_fork(group, k).await?;
+                        Place::Taken { by } => {
+                            self.strand_lost_fork(group, k, by).await?;
                             return Ok(healed);
                         }
                         // Ours of the epoch before is not there: after
@@ -611,8 +611,10 @@ impl GroupPeerManager {
                         if !current {
                             // No later pull reads this log to judge what
                             // took the place: judge it here.
-                            if self.place_on(group, link, topic, k, &rec).await? == Place::Taken {
-                                self.strand_lost_fork(group, k).await?;
+                            if let Place::Taken { by } =
+                                self.place_on(group, link, topic, k, &rec).await?
+                            {
+                                self.strand_lost_fork(group, k, by).await?;
                                 return Ok(healed);
                             }
                             placed.push((k.epoch, None));
@@ -637,15 +639,22 @@ impl GroupPeerManager {
         Ok(healed)
     }
 
-    /// This device's commit `lost` lost its place to a member's: strand,
-    /// and note that its branch from the next epoch on is lost (what it
-    /// encrypted there, and the commit seeds it drew there, which its
-    /// rejoin request names so the members still on that branch learn it).
-    async fn strand_lost_fork(&self, group: GroupId, lost: &MergedCommit) -> Result<(), PullError> {
-        tracing::warn!(%group, epoch = lost.epoch, "stranded: a member's commit took the place of this device's on a former log");
+    /// This device's commit `lost` lost its place to a member's, written
+    /// there by `by`: strand, and note that its branch from the next epoch
+    /// on is lost (what it encrypted there, and the commit seeds it drew
+    /// there, which its rejoin request names, with `by`, so the members
+    /// still on that branch learn it).
+    async fn strand_lost_fork(
+        &self,
+        group: GroupId,
+        lost: &MergedCommit,
+        by: DeviceId,
+    ) -> Result<(), PullError> {
+        tracing::warn!(%group, epoch = lost.epoch, by = %by, "stranded: a member's commit took the place of this device's on a former log");
         let mut guard = self.shared.registry.lock(group).await;
         let mut rec = self.record(group)?;
         rec.note_lost_branch(lost);
+        rec.lost_to = Some(by);
         self.save_record(&mut guard, &rec)?;
         self.strand(&mut guard, &mut rec)
     }
@@ -688,16 +697,12 @@ impl GroupPeerManager {
                 continue;
             }
             if pm.epoch().as_u64() == ours.epoch {
-                let writer_came_over = rec
-                    .merged
-                    .iter()
-                    .any(|k| k.epoch > ours.epoch && k.writer == Some(m.sender));
-                if writer_came_over {
+                if rec.came_over(&m.sender, ours.epoch) {
                     tracing::info!(%group, hub = ours.hub, epoch = ours.epoch, seq = m.seq, "a rewound log holds another member's commit where ours was, but its writer has since committed on our branch");
                     return Ok(Place::Left);
                 }
                 tracing::warn!(%group, hub = ours.hub, epoch = ours.epoch, seq = m.seq, "a rewound log holds another member's commit where ours was: ours lost");
-                return Ok(Place::Taken);
+                return Ok(Place::Taken { by: m.sender });
             }
             last = Some((pm.epoch().as_u64(), d));
         }
@@ -1621,8 +1626,12 @@ pub(crate) fn protocol_message(payload: &[u8]) -> Option<ProtocolMessage> {
 enum Place {
     /// Nothing there says the group went another way.
     Free,
-    /// A member's other commit holds its epoch: ours lost it.
-    Taken,
+    /// A member's other commit holds its epoch, written there by `by`:
+    /// ours lost it.
+    Taken {
+        /// Who wrote the other commit there.
+        by: DeviceId,
+    },
     /// A member's other commit holds the epoch before: ours cannot follow.
     Behind,
     /// A member's other commit holds its epoch, but the member that wrote
