@@ -443,6 +443,7 @@ fn seed_records(
         rendezvous_seed: Some([4; 32]),
         lost_from: None,
         lost_seeds: Vec::new(),
+        lost_to: None,
         caught_up_at_ms: 0,
         probe_owed: false,
     };
@@ -733,6 +734,7 @@ pub(crate) fn seeds(out: &mut Vec<crate::fuzz::Seed>) {
         lost: Some(super::rejoin::LostBranch {
             from: 3,
             marks: vec![[7; 32]],
+            taken_by: Some(device(2)),
         }),
         signature: Vec::new(),
     };
