@@ -12,6 +12,7 @@ pub mod invariants;
 pub mod net;
 pub mod report;
 pub mod store;
+pub mod storm;
 
 use hubsync::clock::Clock;
 use hubsync::device::lane::CommitError;
@@ -210,6 +211,11 @@ pub struct SimConfig {
     /// a fresh process starts the counter at a known value, which is why
     /// the binary runs every seed in its own process.
     pub tasks_before: u64,
+    /// Devices that share one simulated machine (a turmoil host): they
+    /// crash, restart and are cut off together. More than one keeps a
+    /// crowd affordable: turmoil's cost per step grows with hosts times
+    /// links. 1 (the default) gives every device its own machine.
+    pub devices_per_host: usize,
 }
 
 impl SimConfig {
@@ -226,25 +232,60 @@ impl SimConfig {
             breaks: Breaks::default(),
             tunnels: false,
             tasks_before: 0,
+            devices_per_host: 1,
         }
+    }
+
+    /// The command-line arguments of `hubsync-sim` that give this run
+    /// (breaks aside: only tests set them).
+    pub fn args(&self) -> Vec<String> {
+        let mut a: Vec<String> = [
+            ("--seed", self.seed.to_string()),
+            ("--devices", self.devices.to_string()),
+            ("--hubs", self.hubs.to_string()),
+            ("--groups", self.groups.to_string()),
+            ("--ops", self.ops.to_string()),
+            ("--faults", self.faults.to_arg()),
+        ]
+        .into_iter()
+        .flat_map(|(k, v)| [k.to_string(), v])
+        .collect();
+        if self.tunnels {
+            a.push("--tunnels".into());
+        }
+        if self.devices_per_host != 1 {
+            a.extend([
+                "--devices-per-host".into(),
+                self.devices_per_host.to_string(),
+            ]);
+        }
+        if self.tasks_before != 0 {
+            a.extend(["--tasks-before".into(), self.tasks_before.to_string()]);
+        }
+        a
     }
 
     /// The command that replays this run.
     pub fn replay_command(&self) -> String {
         format!(
-            "cargo run --release -p hubsync-sim -- --seed {} --devices {} --hubs {} --groups {} --ops {} --faults {}{}{}",
-            self.seed,
-            self.devices,
-            self.hubs,
-            self.groups,
-            self.ops,
-            self.faults.to_arg(),
-            if self.tunnels { " --tunnels" } else { "" },
-            match self.tasks_before {
-                0 => String::new(),
-                n => format!(" --tasks-before {n}"),
-            }
+            "cargo run --release -p hubsync-sim -- {}",
+            self.args().join(" ")
         )
+    }
+
+    /// Which simulated machine device `i` runs on, by name.
+    fn host_of(&self, i: usize) -> String {
+        match self.devices_per_host {
+            0 | 1 => dev_name(i),
+            k => format!("host{}", i / k),
+        }
+    }
+
+    /// The devices that share device `i`'s machine (`i` among them).
+    fn co_hosted(&self, i: usize) -> std::ops::Range<usize> {
+        let k = self.devices_per_host.max(1);
+        let first = i / k * k;
+        first..(first + k).min(self.devices)
     }
 }
 
@@ -300,6 +341,9 @@ pub struct SeedReport {
     pub converge_ms: Option<u64>,
     /// Simulated ms of the whole run.
     pub sim_ms: u64,
+    /// Each hub restart's reconnect storm (see [`storm`]).
+    #[serde(default)]
+    pub storms: Vec<storm::Storm>,
 }
 
 impl SeedReport {
@@ -330,6 +374,7 @@ impl SeedReport {
             recoveries_failed: 0,
             converge_ms: None,
             sim_ms: 0,
+            storms: Vec::new(),
         }
     }
 }
@@ -514,7 +559,9 @@ enum Control {
     /// Delete the last stored ledger entry of a group from a device's
     /// store (the `forget_ledger_entry` break).
     ForgetLedgerEntry(usize, GroupId),
+    /// Crash the machine device `i` runs on (with every device on it).
     CrashDevice(usize),
+    /// Restart the machine device `i` runs on.
     RestartDevice(usize),
     Drops(bool),
 }
@@ -543,6 +590,17 @@ impl World {
             .unwrap_or_else(|p| p.into_inner())
             .push(c);
     }
+}
+
+/// Hub `i` goes down now: the load meter reads its counters first.
+fn hub_down(
+    meter: &mut storm::LoadMeter,
+    running: &RefCell<Vec<Option<Hub>>>,
+    i: usize,
+    at: Duration,
+) {
+    let hub = running.borrow_mut().get_mut(i).and_then(Option::take);
+    meter.down(i, at.as_millis() as u64, hub.map(|h| h.metrics()).as_ref());
 }
 
 fn now_ms() -> u64 {
@@ -634,14 +692,20 @@ pub fn run_seed(cfg: &SimConfig) -> SeedReport {
 
     let hub_stores: Vec<HubDisk> = (0..cfg.hubs).map(|_| HubDisk::new()).collect();
     let mut snapshots: Vec<Option<(u64, Snapshot)>> = vec![None; cfg.hubs];
+    // Each running hub, for the load meter to read its counters.
+    let running: Rc<RefCell<Vec<Option<Hub>>>> = Rc::new(RefCell::new(vec![None; cfg.hubs]));
+    let mut meter = storm::LoadMeter::new();
+    let mut next_sample = storm::SAMPLE_MS;
     for (i, store) in hub_stores.iter().enumerate() {
         let store = store.clone();
         let restarts = restarts.clone();
+        let running = running.clone();
         let seed = cfg.seed;
         let outages = cfg.faults.outages;
         sim.host(hub_name(i), move || {
             let store = store.clone();
             let n = next_incarnation(&restarts, &hub_name(i));
+            let running = running.clone();
             async move {
                 let listener = turmoil::net::TcpListener::bind(("0.0.0.0", HUB_PORT)).await?;
                 let mut config = HubConfig::new(hub_url(i));
@@ -657,6 +721,9 @@ pub fn run_seed(cfg: &SimConfig) -> SeedReport {
                     SharedRng::seeded(mix(seed, 1000 + i as u64, n)),
                 )
                 .map_err(|e| e.to_string())?;
+                if let Some(slot) = running.borrow_mut().get_mut(i) {
+                    *slot = Some(hub.clone());
+                }
                 hub.serve(SimListener(listener));
                 std::future::pending::<()>().await;
                 Ok(())
@@ -666,21 +733,36 @@ pub fn run_seed(cfg: &SimConfig) -> SeedReport {
 
     let dev_stores: Vec<MemKv> = (0..cfg.devices).map(|_| MemKv::new()).collect();
     let mut senders = Vec::new();
+    let mut on_host = Vec::new();
     for (i, store) in dev_stores.iter().enumerate() {
         let (tx, rx) = mpsc::channel::<Cmd>(64);
         senders.push(tx);
-        let rx = Rc::new(RefCell::new(rx));
-        let store = store.clone();
+        // The receiver outlives the host (the driver keeps the sender), so
+        // a restarted host picks up where the crashed one left off.
+        on_host.push((i, store.clone(), Rc::new(RefCell::new(rx))));
+        if cfg.co_hosted(i).end != i + 1 {
+            continue;
+        }
+        let devices = std::mem::take(&mut on_host);
         let restarts = restarts.clone();
         let world = world.clone();
         let cfg = cfg.clone();
-        sim.host(dev_name(i), move || {
-            let store = store.clone();
-            let rx = rx.clone();
-            let world = world.clone();
-            let n = next_incarnation(&restarts, &dev_name(i));
-            let cfg = cfg.clone();
-            async move { device_host(i, n, cfg, store, rx, world).await }
+        sim.host(cfg.host_of(i), move || {
+            let runs: Vec<_> = devices
+                .iter()
+                .map(|(i, store, rx)| {
+                    let n = next_incarnation(&restarts, &dev_name(*i));
+                    device_host(*i, n, cfg.clone(), store.clone(), rx.clone(), world.clone())
+                })
+                .collect();
+            async move {
+                // A machine runs until all its devices stop.
+                futures::future::join_all(runs)
+                    .await
+                    .into_iter()
+                    .collect::<turmoil::Result<Vec<()>>>()
+                    .map(|_| ())
+            }
         });
     }
 
@@ -703,16 +785,21 @@ pub fn run_seed(cfg: &SimConfig) -> SeedReport {
             match c {
                 Control::CrashHub(i) => {
                     faults_injected += 1;
+                    hub_down(&mut meter, &running, i, sim.elapsed());
                     sim.crash(hub_name(i));
                     hub_stores[i].crash();
                 }
-                Control::RestartHub(i) => sim.bounce(hub_name(i)),
+                Control::RestartHub(i) => {
+                    meter.restarted(i, sim.elapsed().as_millis() as u64);
+                    sim.bounce(hub_name(i))
+                }
                 Control::SnapshotHub(i) => {
                     let at = sim.elapsed().as_millis() as u64;
                     snapshots[i] = Some((at, hub_stores[i].snapshot()));
                 }
                 Control::RewindHub(i, empty) => {
                     faults_injected += 1;
+                    hub_down(&mut meter, &running, i, sim.elapsed());
                     sim.crash(hub_name(i));
                     hub_stores[i].crash();
                     let (snapshot_ms, snap) = match (&snapshots[i], empty) {
@@ -737,10 +824,12 @@ pub fn run_seed(cfg: &SimConfig) -> SeedReport {
                 }
                 Control::CrashDevice(i) => {
                     faults_injected += 1;
-                    sim.crash(dev_name(i));
-                    dev_stores[i].crash();
+                    sim.crash(cfg.host_of(i));
+                    for k in cfg.co_hosted(i) {
+                        dev_stores[k].crash();
+                    }
                 }
-                Control::RestartDevice(i) => sim.bounce(dev_name(i)),
+                Control::RestartDevice(i) => sim.bounce(cfg.host_of(i)),
                 Control::ForgetLedgerEntry(i, g) => {
                     let mut prefix = b"eng/ledger/".to_vec();
                     prefix.extend_from_slice(&g.0);
@@ -757,6 +846,15 @@ pub fn run_seed(cfg: &SimConfig) -> SeedReport {
                         faults_injected += 1;
                     }
                     sim.set_fail_rate(if on { 0.002 } else { 0.0 });
+                }
+            }
+        }
+        let now = sim.elapsed().as_millis() as u64;
+        if now >= next_sample {
+            next_sample = now + storm::SAMPLE_MS;
+            for (i, hub) in running.borrow().iter().enumerate() {
+                if let Some(hub) = hub {
+                    meter.sample(i, now, &hub.metrics());
                 }
             }
         }
@@ -898,6 +996,7 @@ pub fn run_seed(cfg: &SimConfig) -> SeedReport {
         recoveries_failed: count(|e| matches!(e, Event::RecoveryFailed { .. })),
         converge_ms,
         sim_ms,
+        storms: meter.finish(),
     }
 }
 
@@ -1447,7 +1546,10 @@ async fn drive(cfg: SimConfig, devs: Vec<mpsc::Sender<Cmd>>, world: Arc<World>) 
                 now_ms()
             ));
         }
-        for _ in 0..rng.gen_range(1..=2usize) {
+        // Two invites at most in a small run; in a crowd, enough to share
+        // the devices out among the groups.
+        let most = (cfg.devices / cfg.groups.max(1)).saturating_sub(1).max(2);
+        for _ in 0..rng.gen_range(1..=most) {
             let outsiders: Vec<usize> = (0..cfg.devices)
                 .filter(|k| !gb.members.contains(k))
                 .collect();
@@ -1476,7 +1578,11 @@ async fn drive(cfg: SimConfig, devs: Vec<mpsc::Sender<Cmd>>, world: Arc<World>) 
     let mut snapshotted: BTreeSet<usize> = BTreeSet::new();
     // When each hub's latest copy was asked for.
     let mut snapshot_ms: BTreeMap<usize, u64> = BTreeMap::new();
+    // Crashed machines, each by its first device (see
+    // `SimConfig::devices_per_host`): `down(m)` says whether device m is.
     let mut crashed_devs: BTreeSet<usize> = BTreeSet::new();
+    let machine = |i: usize| cfg.co_hosted(i).start;
+    let down = |crashed: &BTreeSet<usize>, m: usize| crashed.contains(&machine(m));
     // Devices in a long outage: the step they come back at, and since when
     // they are down.
     let mut held: BTreeMap<usize, (usize, u64)> = BTreeMap::new();
@@ -1494,7 +1600,7 @@ async fn drive(cfg: SimConfig, devs: Vec<mpsc::Sender<Cmd>>, world: Arc<World>) 
         }
         // Faults: each kind on its own schedule drawn from the seed.
         if cfg.faults.device_crashes && rng.gen_bool(0.08) {
-            let i = rng.gen_range(0..cfg.devices);
+            let i = machine(rng.gen_range(0..cfg.devices));
             if crashed_devs.insert(i) {
                 world.control(Control::CrashDevice(i));
             }
@@ -1507,7 +1613,7 @@ async fn drive(cfg: SimConfig, devs: Vec<mpsc::Sender<Cmd>>, world: Arc<World>) 
         }
         if cfg.faults.outages {
             if held.is_empty() && rng.gen_bool(0.05) {
-                let i = rng.gen_range(0..cfg.devices);
+                let i = machine(rng.gen_range(0..cfg.devices));
                 if crashed_devs.insert(i) {
                     world.control(Control::CrashDevice(i));
                     held.insert(i, (step + rng.gen_range(8..16), now_ms()));
@@ -1524,11 +1630,11 @@ async fn drive(cfg: SimConfig, devs: Vec<mpsc::Sender<Cmd>>, world: Arc<World>) 
                     crashed_devs.remove(&i);
                     world.control(Control::RestartDevice(i));
                     world.trace(format!("{} back dev{i}", now_ms()));
-                    out.history.outages.push(Outage {
-                        device: id_of(i),
+                    out.history.outages.extend(cfg.co_hosted(i).map(|k| Outage {
+                        device: id_of(k),
                         start_ms: since,
                         end_ms: now_ms(),
-                    });
+                    }));
                 }
             }
         }
@@ -1573,7 +1679,7 @@ async fn drive(cfg: SimConfig, devs: Vec<mpsc::Sender<Cmd>>, world: Arc<World>) 
             let other = if rng.gen_bool(0.3) {
                 None
             } else {
-                Some(dev_name(rng.gen_range(0..cfg.devices)))
+                Some(cfg.host_of(rng.gen_range(0..cfg.devices)))
             };
             match other {
                 Some(d) => {
@@ -1582,9 +1688,9 @@ async fn drive(cfg: SimConfig, devs: Vec<mpsc::Sender<Cmd>>, world: Arc<World>) 
                     world.trace(format!("{} partition {h} {d}", now_ms()));
                 }
                 None => {
-                    for k in 0..cfg.devices {
-                        turmoil::partition(h.as_str(), dev_name(k).as_str());
-                        partitions.push((h.clone(), dev_name(k)));
+                    for k in (0..cfg.devices).step_by(cfg.devices_per_host.max(1)) {
+                        turmoil::partition(h.as_str(), cfg.host_of(k).as_str());
+                        partitions.push((h.clone(), cfg.host_of(k)));
                     }
                     world.trace(format!("{} isolate {h}", now_ms()));
                 }
@@ -1625,7 +1731,7 @@ async fn drive(cfg: SimConfig, devs: Vec<mpsc::Sender<Cmd>>, world: Arc<World>) 
                     .members
                     .iter()
                     .copied()
-                    .filter(|m| !crashed_devs.contains(m))
+                    .filter(|m| !down(&crashed_devs, *m))
                     .collect();
                 if let Some(m) = pick_from(&mut rng, &up) {
                     let g = groups[gi].id;
@@ -1667,12 +1773,12 @@ async fn drive(cfg: SimConfig, devs: Vec<mpsc::Sender<Cmd>>, world: Arc<World>) 
                     .members
                     .iter()
                     .copied()
-                    .filter(|m| !crashed_devs.contains(m))
+                    .filter(|m| !down(&crashed_devs, *m))
                     .collect();
                 let asker = pick_from(&mut rng, &up);
                 if let (Some(m), false, false) = (
                     asker,
-                    crashed_devs.contains(&who),
+                    down(&crashed_devs, who),
                     groups[gi].members.contains(&who),
                 ) {
                     let g = groups[gi].id;
@@ -1709,7 +1815,7 @@ async fn drive(cfg: SimConfig, devs: Vec<mpsc::Sender<Cmd>>, world: Arc<World>) 
             .members
             .iter()
             .copied()
-            .filter(|m| !crashed_devs.contains(m))
+            .filter(|m| !down(&crashed_devs, *m))
             .collect();
         if member.is_empty() {
             continue;
@@ -1775,7 +1881,7 @@ async fn drive(cfg: SimConfig, devs: Vec<mpsc::Sender<Cmd>>, world: Arc<World>) 
                         ));
                     }
                 }
-                None if !crashed_devs.contains(&by) => {
+                None if !down(&crashed_devs, by) => {
                     out.violations.push(Violation::new(
                         "tunnel-order",
                         Some(g),
@@ -1839,7 +1945,7 @@ async fn drive(cfg: SimConfig, devs: Vec<mpsc::Sender<Cmd>>, world: Arc<World>) 
         } else if roll < 73 {
             let (by, refuse) = admin_actor(&mut rng, &member, &groups[gi]);
             let outsiders: Vec<usize> = (0..cfg.devices)
-                .filter(|k| !groups[gi].members.contains(k) && !crashed_devs.contains(k))
+                .filter(|k| !groups[gi].members.contains(k) && !down(&crashed_devs, *k))
                 .collect();
             let Some(who) = pick_from(&mut rng, &outsiders) else {
                 out.ops -= 1;
@@ -2008,11 +2114,11 @@ async fn drive(cfg: SimConfig, devs: Vec<mpsc::Sender<Cmd>>, world: Arc<World>) 
         world.control(Control::RestartDevice(i));
     }
     for (i, (_, since)) in std::mem::take(&mut held) {
-        out.history.outages.push(Outage {
-            device: id_of(i),
+        out.history.outages.extend(cfg.co_hosted(i).map(|k| Outage {
+            device: id_of(k),
             start_ms: since,
             end_ms: now_ms(),
-        });
+        }));
     }
     for i in std::mem::take(&mut crashed_hubs) {
         world.control(Control::RestartHub(i));

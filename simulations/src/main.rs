@@ -21,18 +21,29 @@ struct Args {
     /// Run exactly this seed (overrides --seeds).
     #[arg(long)]
     seed: Option<u64>,
-    /// Devices per run.
-    #[arg(long, default_value_t = 5)]
-    devices: usize,
-    /// Hubs per run.
-    #[arg(long, default_value_t = 2)]
-    hubs: usize,
-    /// Groups per run.
-    #[arg(long, default_value_t = 2)]
-    groups: usize,
-    /// Workload operations per run.
-    #[arg(long, default_value_t = 30)]
-    ops: usize,
+    /// Devices per run (5; a crowd 1,000).
+    #[arg(long)]
+    devices: Option<usize>,
+    /// Hubs per run (2; a crowd 10).
+    #[arg(long)]
+    hubs: Option<usize>,
+    /// Groups per run (2; a crowd 200).
+    #[arg(long)]
+    groups: Option<usize>,
+    /// Workload operations per run (30; a crowd 200).
+    #[arg(long)]
+    ops: Option<usize>,
+    /// A crowd: 1,000 devices, 10 hubs and 200 groups, 20 devices to a
+    /// simulated machine, unless the sizes are given. Every device holds a
+    /// connection to every hub, so a hub's restart brings all of them back
+    /// at once; the report shows each restart's load (see
+    /// docs/simulations.md, "Crowds").
+    #[arg(long)]
+    crowd: bool,
+    /// Devices that share one simulated machine: they crash, restart and
+    /// are cut off together (1; a crowd 20).
+    #[arg(long)]
+    devices_per_host: Option<usize>,
     /// Faults: all, none, or a list of partitions,hub-crashes,device-crashes,latency,drops,rewinds,strangers.
     #[arg(long, default_value = "all")]
     faults: String,
@@ -67,17 +78,9 @@ fn run_in_child(cfg: &SimConfig) -> SeedReport {
         Err(e) => return died(format!("cannot find the simulator binary: {e}")),
     };
     let mut cmd = std::process::Command::new(exe);
-    cmd.args(["--child", "--seed", &cfg.seed.to_string()])
-        .args(["--devices", &cfg.devices.to_string()])
-        .args(["--hubs", &cfg.hubs.to_string()])
-        .args(["--groups", &cfg.groups.to_string()])
-        .args(["--ops", &cfg.ops.to_string()])
-        .args(["--faults", &cfg.faults.to_arg()])
-        .args(["--tasks-before", &cfg.tasks_before.to_string()])
+    cmd.arg("--child")
+        .args(cfg.args())
         .stderr(std::process::Stdio::inherit());
-    if cfg.tunnels {
-        cmd.arg("--tunnels");
-    }
     let out = match cmd.output() {
         Ok(out) => out,
         Err(e) => return died(format!("cannot start the run's process: {e}")),
@@ -113,11 +116,15 @@ fn main() -> ExitCode {
         Some(s) => vec![s],
         None => (args.first..args.first + args.seeds).collect(),
     };
+    let size = |given: Option<usize>, small: usize, crowd: usize| {
+        given.unwrap_or(if args.crowd { crowd } else { small })
+    };
     let base = SimConfig {
-        devices: args.devices,
-        hubs: args.hubs,
-        groups: args.groups,
-        ops: args.ops,
+        devices: size(args.devices, 5, 1000),
+        hubs: size(args.hubs, 2, 10),
+        groups: size(args.groups, 2, 200),
+        ops: size(args.ops, 30, 200),
+        devices_per_host: size(args.devices_per_host, 1, 20).max(1),
         faults,
         tunnels: args.tunnels,
         tasks_before: args.tasks_before,
@@ -181,6 +188,17 @@ fn main() -> ExitCode {
         total(|r| r.gathers),
         total(|r| r.rejoins),
         total(|r| r.recoveries_failed),
+    );
+    let storms: Vec<hubsync_sim::storm::Storm> =
+        reports.iter().flat_map(|r| r.storms.clone()).collect();
+    println!(
+        "storms: {}; slowest settle after the faults stopped: {}",
+        hubsync_sim::storm::summary(&storms),
+        reports
+            .iter()
+            .filter_map(|r| r.converge_ms)
+            .max()
+            .map_or("none settled".into(), |ms| format!("{ms} ms")),
     );
     if violations == 0 {
         ExitCode::SUCCESS

@@ -5,7 +5,8 @@ use crate::{SeedReport, SimConfig};
 use std::fmt::Write as _;
 use std::path::Path;
 
-/// Write `summary.json` and `converge.svg` into `dir`.
+/// Write `summary.json`, `converge.svg` and, when a hub restarted,
+/// `storms.md` (each restart's reconnect storm) into `dir`.
 ///
 /// # Errors
 /// The I/O error.
@@ -24,6 +25,7 @@ pub fn write(dir: &Path, base: &SimConfig, reports: &[SeedReport]) -> std::io::R
         "groups": base.groups,
         "ops": base.ops,
         "faults": base.faults.to_arg(),
+        "devices_per_host": base.devices_per_host,
         "runs": reports,
     });
     std::fs::write(
@@ -31,6 +33,21 @@ pub fn write(dir: &Path, base: &SimConfig, reports: &[SeedReport]) -> std::io::R
         serde_json::to_vec_pretty(&summary).map_err(std::io::Error::other)?,
     )?;
     std::fs::write(dir.join("converge.svg"), svg(reports))?;
+    let storms: Vec<(u64, &crate::storm::Storm)> = reports
+        .iter()
+        .flat_map(|r| r.storms.iter().map(|s| (r.seed, s)))
+        .collect();
+    if !storms.is_empty() {
+        let all: Vec<crate::storm::Storm> = storms.iter().map(|(_, s)| (*s).clone()).collect();
+        std::fs::write(
+            dir.join("storms.md"),
+            format!(
+                "# Reconnect storms\n\n{}.\n\n{}",
+                crate::storm::summary(&all),
+                crate::storm::table(&storms)
+            ),
+        )?;
+    }
     Ok(())
 }
 

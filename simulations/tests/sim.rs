@@ -703,3 +703,41 @@ fn holds_with_outages(seed: u64) -> serde_json::Value {
     assert_eq!(r["violations"], serde_json::json!([]), "seed {seed}");
     r
 }
+
+/// A small crowd (100 devices on 10 machines, 5 hubs, 20 groups) with every
+/// fault on: the invariants hold, and each hub restart is measured as a
+/// reconnect storm in which every device connected before comes back (the
+/// full-size crowd, 1,000 devices, is `hubsync-sim --crowd`; see
+/// docs/simulations.md, "Crowds").
+#[test]
+fn a_small_crowd_holds_and_its_reconnect_storms_settle() {
+    let r = run_in_process_with(
+        2,
+        40,
+        "all",
+        &[
+            "--devices",
+            "100",
+            "--hubs",
+            "5",
+            "--groups",
+            "20",
+            "--devices-per-host",
+            "10",
+        ],
+    );
+    assert_eq!(r["violations"], serde_json::json!([]));
+    let storms = r["storms"].as_array().cloned().unwrap_or_default();
+    assert!(!storms.is_empty(), "no hub restarted: {r}");
+    let n = |s: &serde_json::Value, k: &str| s[k].as_u64().unwrap_or(0);
+    let back = storms
+        .iter()
+        .filter(|s| n(s, "streams_before") >= 90 && s["settle_ms"].is_u64())
+        .collect::<Vec<_>>();
+    assert!(!back.is_empty(), "no crowd came back: {storms:?}");
+    for s in back {
+        assert!(n(s, "reconnects") >= n(s, "streams_before"), "{s}");
+        assert!(n(s, "resubscriptions") >= n(s, "streams_before"), "{s}");
+        assert!(n(s, "peak_reconnects_per_s") > 0, "{s}");
+    }
+}

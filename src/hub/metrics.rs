@@ -43,6 +43,18 @@ pub fn prometheus_text(m: &HubMetrics) -> String {
         "Connections open now that have not authenticated.",
         m.unauthenticated,
     );
+    t.one(
+        "subscription_changes_total",
+        Counter,
+        "Subscription changes asked for, refused ones included (a reconnecting device subscribes again).",
+        m.subscription_changes,
+    );
+    t.one(
+        "receive_starts_total",
+        Counter,
+        "Receive streams started (one per device connection).",
+        m.receive_starts,
+    );
     t.labelled(
         "auth_failures_total",
         Counter,

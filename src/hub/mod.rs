@@ -157,6 +157,12 @@ pub struct HubMetrics {
     pub flushes: u64,
     /// Log frames trimmed.
     pub trimmed: u64,
+    /// Subscription changes asked for (each change of a `Subscriptions`
+    /// request counts once; refused ones too): after a restart every device
+    /// subscribes again, so this is the re-subscription storm's measure.
+    pub subscription_changes: u64,
+    /// Receive streams started (a device starts one per connection).
+    pub receive_starts: u64,
     /// Connections open now that have not authenticated yet.
     pub unauthenticated: u64,
     /// Connections closed at once because `max_unauthenticated` others
@@ -276,6 +282,8 @@ struct ServerCounters {
     bad_frames: AtomicU64,
     pushed: AtomicU64,
     acked: AtomicU64,
+    subscription_changes: AtomicU64,
+    receive_starts: AtomicU64,
     unauthenticated: AtomicU64,
     unauthenticated_refused: AtomicU64,
     auth_timeouts: AtomicU64,
@@ -590,6 +598,8 @@ impl Hub {
             flushes: self.shared.core.store().flushes(),
             trimmed: r(&c.trimmed),
             unauthenticated: r(&s.unauthenticated),
+            subscription_changes: r(&s.subscription_changes),
+            receive_starts: r(&s.receive_starts),
             unauthenticated_refused: r(&s.unauthenticated_refused),
             auth_timeouts: r(&s.auth_timeouts),
             mailbox_full: r(&c.mailbox_full),

@@ -500,6 +500,10 @@ impl Conn {
         answer: impl FnOnce(Vec<ChangeOutcome>) -> Result<Response, HubError>,
     ) {
         let d = self.device;
+        self.shared
+            .counters
+            .subscription_changes
+            .fetch_add(changes.len() as u64, Ordering::Relaxed);
         let r = match self.shared.core.change_subscriptions(d, &changes).await {
             Ok(r) => r,
             Err(e) => return self.respond(id, Err(e)).await,
@@ -685,6 +689,10 @@ impl Conn {
 
     /// Replace this device's receive stream with one on this connection.
     async fn start_receive(&self, id: u64) {
+        self.shared
+            .counters
+            .receive_starts
+            .fetch_add(1, Ordering::Relaxed);
         let stream = Arc::new(Stream::default());
         let cancel = self.shared.shutdown.child_token();
         let old = {
