@@ -702,7 +702,8 @@ impl Outbox {
     /// batch, apply it, flush the store, and wake the driver.
     ///
     /// When this returns `Ok`, the publish survives a crash (or was already
-    /// owed or delivered). Blocks on the store's flush (0.3-0.5 ms on sled).
+    /// owed or delivered). Blocks on the store's flush (on sled an fsync
+    /// of its log; see docs/operations.md, "Durability").
     ///
     /// # Errors
     /// As [`Outbox::stage`], plus [`OutboxError::Kv`] when the apply or the

@@ -274,7 +274,9 @@ impl GroupRecord {
     /// branch, so every seed of a commit after `lost` other than `lost`'s
     /// own, and the current one if it differs, came after it.
     pub fn note_lost_branch(&mut self, lost: &MergedCommit) {
-        self.note_lost_from(lost.epoch + 1);
+        // Saturating: a record read back from a damaged store may hold any
+        // epoch, and a panic here would take the device down.
+        self.note_lost_from(lost.epoch.saturating_add(1));
         let mut after: Vec<&MergedCommit> = self
             .merged
             .iter()
@@ -977,6 +979,45 @@ mod tests {
             body: vec![n],
             at_ms: u64::from(n) * 1000,
         }
+    }
+
+    /// A lost commit at the last epoch a u64 holds (a record read back
+    /// from a damaged store) marks the branch lost without overflowing.
+    #[test]
+    fn a_lost_branch_at_the_last_epoch_does_not_overflow() {
+        let lost = MergedCommit {
+            epoch: u64::MAX,
+            digest: [3; 32],
+            hub: "ws://h".into(),
+            seq: Some(1),
+            payload: Vec::new(),
+            commit_seed: Some([2; 32]),
+            writer: None,
+        };
+        let mut rec = GroupRecord {
+            id: GroupId([7; 32]),
+            hubs: vec!["ws://h".into()],
+            commit_hub: "ws://h".into(),
+            cursors: Default::default(),
+            app_topics: Vec::new(),
+            app_secrets: Vec::new(),
+            stranded: false,
+            poison: 0,
+            commit_seed: [5; 32],
+            ledger_complete: true,
+            merged: vec![lost.clone()],
+            cursor_stores: Default::default(),
+            cursor_digests: Default::default(),
+            rendezvous_seed: None,
+            lost_from: None,
+            lost_seeds: Vec::new(),
+            lost_to: None,
+            caught_up_at_ms: 0,
+            probe_owed: false,
+        };
+        rec.note_lost_branch(&lost);
+        assert_eq!(rec.lost_from, Some(u64::MAX));
+        assert_eq!(rec.lost_seeds, vec![[5; 32]]);
     }
 
     /// A cursor stored before digests were kept (a bare number) reads as
