@@ -18,6 +18,21 @@ use crate::kv::{KvError, KvStore, WriteBatch};
 
 pub use crate::wire::DeviceId;
 
+/// Whether `signature` is `device`'s ed25519 signature over `message`
+/// (`verify_strict`): false for a key that is not a curve point or a
+/// signature that is not 64 bytes, never a panic. Every message a device
+/// signs with its identity key (rejoin requests and answers, probes,
+/// presence beacons, tunnel handshakes) is checked with this.
+pub fn verify_by(device: &DeviceId, message: &[u8], signature: &[u8]) -> bool {
+    let Ok(key) = VerifyingKey::from_bytes(&device.0) else {
+        return false;
+    };
+    let Ok(sig) = Signature::from_slice(signature) else {
+        return false;
+    };
+    key.verify_strict(message, &sig).is_ok()
+}
+
 /// Where the identity's secret key lives in the device store. Versioned so a
 /// later format can live beside it.
 pub const IDENTITY_KEY: &[u8] = b"device/identity/v1";

@@ -36,9 +36,10 @@
 //! clock, and only a later one changes anything.
 
 use super::error::DeviceError;
+use super::identity::verify_by;
 use super::manager::{lock, GroupPeerManager};
 use super::records::GroupId;
-use super::rejoin::{verify_by, RendezvousFrame, ANSWER_JITTER_MS};
+use super::rejoin::{RendezvousFrame, ANSWER_JITTER_MS};
 use super::topics;
 use crate::wire::DeviceId;
 use serde::{Deserialize, Serialize};

@@ -42,9 +42,10 @@
 //! members, so the lie costs one external commit and no state.
 
 use super::error::DeviceError;
+use super::identity::verify_by;
 use super::manager::{lock, GroupPeerManager};
 use super::records::GroupId;
-use super::rejoin::{verify_by, Incoming, RejoinRefusal, RendezvousFrame, ANSWER_JITTER_MS};
+use super::rejoin::{Incoming, RejoinRefusal, RendezvousFrame, ANSWER_JITTER_MS};
 use super::topics;
 use crate::wire::DeviceId;
 use serde::{Deserialize, Serialize};

@@ -34,6 +34,7 @@
 use super::error::DeviceError;
 use super::events::Event;
 use super::frames::{digest, publish_id};
+use super::identity::verify_by;
 use super::ledger::{Entry, EntryType, GroupExt, LedgerState};
 use super::manager::{lock, GroupPeerManager};
 use super::mls;
@@ -412,16 +413,6 @@ impl From<crate::device::registry::RegistryError> for JoinFailure {
     fn from(e: crate::device::registry::RegistryError) -> Self {
         JoinFailure::Device(e.into())
     }
-}
-
-pub(super) fn verify_by(device: &DeviceId, message: &[u8], signature: &[u8]) -> bool {
-    let Ok(key) = ed25519_dalek::VerifyingKey::from_bytes(&device.0) else {
-        return false;
-    };
-    let Ok(sig) = ed25519_dalek::Signature::from_slice(signature) else {
-        return false;
-    };
-    key.verify_strict(message, &sig).is_ok()
 }
 
 fn grant_aad(group: &GroupId, nonce: &[u8; 16]) -> Vec<u8> {

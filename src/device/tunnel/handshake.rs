@@ -150,7 +150,7 @@ impl Open {
 
     /// Whether `from` signed it.
     pub fn verify(&self) -> bool {
-        crate::device::rejoin::verify_by(&self.from, &self.signed_bytes(), &self.signature)
+        crate::device::identity::verify_by(&self.from, &self.signed_bytes(), &self.signature)
     }
 
     /// The digest the answers sign, and the HPKE `info`.
@@ -173,7 +173,7 @@ impl Accept {
 
     /// Whether `from` signed it as an answer to the open of digest `open`.
     pub fn verify(&self, open: &[u8; 32]) -> bool {
-        crate::device::rejoin::verify_by(&self.from, &self.signed_bytes(open), &self.signature)
+        crate::device::identity::verify_by(&self.from, &self.signed_bytes(open), &self.signature)
     }
 }
 
@@ -188,7 +188,7 @@ impl Refuse {
 
     /// Whether `from` signed it as an answer to the open of digest `open`.
     pub fn verify(&self, open: &[u8; 32]) -> bool {
-        crate::device::rejoin::verify_by(&self.from, &self.signed_bytes(open), &self.signature)
+        crate::device::identity::verify_by(&self.from, &self.signed_bytes(open), &self.signature)
     }
 }
 
