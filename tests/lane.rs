@@ -2845,6 +2845,8 @@ async fn forged_rejoin_refusals_make_nobody_forget_its_group() {
                     nonce: request.nonce,
                     to: request.device,
                     from,
+                    // Far on, so that only the signature keeps it out.
+                    epoch: u64::MAX,
                     signature: Vec::new(),
                 };
                 refusal.signature = signer.sign(&refusal.signed_bytes()).to_bytes().to_vec();
@@ -3294,6 +3296,55 @@ async fn a_rejoin_with_nobody_to_answer_fails_and_a_removed_device_gets_no_group
         "the group did not move"
     );
     assert_eq!(a.manager().record(g).unwrap().cursor(), head);
+}
+
+/// Members that have not merged the commit that added a device (they
+/// were away when it was invited) do not see it in their tree and refuse
+/// its rejoin; their refusals name their epoch, behind the joiner's, and
+/// the joiner does not count them (with both counted, it took them as its
+/// removal and forgot the group): it keeps the group, and the rejoin fails
+/// for want of an answer, or a member that caught up meanwhile answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_from_members_behind_a_joiner_do_not_remove_it() {
+    let hubs = hubs(1).await;
+    let u = urls(&hubs);
+    let mut a = TestDevice::open(&u).await.unwrap();
+    let (b, c) = (
+        TestDevice::open(&u).await.unwrap(),
+        TestDevice::open(&u).await.unwrap(),
+    );
+    let (wb, wc) = (Watch::new(&b), Watch::new(&c));
+    let g = group_of(&a, &[(&b, &wb), (&c, &wc)], &u).await;
+    agree(&[&a, &b, &c], g).await;
+    // b and c stop following commits: the invite of d passes them by.
+    b.manager().faults().no_pull.store(true, SeqCst);
+    c.manager().faults().no_pull.store(true, SeqCst);
+    let mut od = device_options(&u);
+    od.manager.rejoin_deadline = Duration::from_secs(3);
+    let d = TestDevice::open_with(od).await.unwrap();
+    let wd = Watch::new(&d);
+    group_with_incomplete_member_in(&a, g, &d, &wd).await;
+    let e = d.epoch(g).await.unwrap();
+    assert!(b.epoch(g).await.unwrap() < e && c.epoch(g).await.unwrap() < e);
+    // The only member in d's epoch goes away; b and c refuse.
+    a.close().await;
+    let r = d.rejoin_group(g).await.unwrap();
+    // A member may catch up meanwhile (its own commit's lane reads the
+    // log) and answer: that is fine too. A refusal must not count.
+    assert!(
+        matches!(
+            r,
+            hubsync::device::RejoinResult::RecoveryFailed { .. }
+                | hubsync::device::RejoinResult::Recovered { .. }
+        ),
+        "refusals from members behind d were counted: {r:?}"
+    );
+    assert!(d.epoch(g).await.unwrap() >= e, "d keeps the group");
+    assert_eq!(
+        wd.count(|ev| matches!(ev, Event::Removed { group } if *group == g)),
+        0,
+        "d was told it was removed"
+    );
 }
 
 /// Device `b`, with a pool of two key packages on one hub, and a copy of

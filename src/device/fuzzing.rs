@@ -828,6 +828,7 @@ pub(crate) fn seeds(out: &mut Vec<crate::fuzz::Seed>) {
                 nonce: [6; 16],
                 to: device(1),
                 from: device(2),
+                epoch: 7,
                 signature: vec![2; 64],
             }),
         ),

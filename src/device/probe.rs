@@ -313,7 +313,9 @@ impl GroupPeerManager {
                     }
                     in_step = true;
                 }
-                Incoming::Refusal(from) if others.contains(&from) => {
+                // A member behind this device may not have merged the
+                // commit that added it: its refusal says nothing.
+                Incoming::Refusal { from, epoch } if others.contains(&from) && epoch >= own => {
                     refused.insert(from);
                 }
                 _ => {}
@@ -424,6 +426,7 @@ impl GroupPeerManager {
                 nonce: p.nonce,
                 to: p.device,
                 from: me.id(),
+                epoch,
                 signature: Vec::new(),
             };
             f.signature = me.sign(&f.signed_bytes()).to_bytes().to_vec();

@@ -286,18 +286,24 @@ pub struct RejoinRefusal {
     pub to: DeviceId,
     /// The refusing member.
     pub from: DeviceId,
+    /// The refusing member's epoch. A member behind the requester may not
+    /// have merged the commit that added it, so the requester counts a
+    /// refusal only from a member at least at its own epoch.
+    pub epoch: u64,
     /// ed25519 by `from` over [`RejoinRefusal::signed_bytes`].
     #[serde(with = "serde_bytes")]
     pub signature: Vec<u8>,
 }
 
 impl RejoinRefusal {
-    /// What the signature covers: the domain, then group, nonce and `to`.
+    /// What the signature covers: the domain, then group, nonce, `to` and
+    /// `epoch` (8 bytes big-endian).
     pub fn signed_bytes(&self) -> Vec<u8> {
         let mut m = REFUSAL_DOMAIN.to_vec();
         m.extend_from_slice(&self.group.0);
         m.extend_from_slice(&self.nonce);
         m.extend_from_slice(&self.to.0);
+        m.extend_from_slice(&self.epoch.to_be_bytes());
         m
     }
 }
@@ -378,7 +384,11 @@ pub enum RejoinResult {
 /// What reaches a waiting requester.
 pub(super) enum Incoming {
     Answer(RejoinAnswer),
-    Refusal(DeviceId),
+    /// A member does not see the requester in its tree at its epoch.
+    Refusal {
+        from: DeviceId,
+        epoch: u64,
+    },
     /// A member's epoch, answering a probe.
     Status {
         from: DeviceId,
@@ -608,12 +618,24 @@ impl GroupPeerManager {
 
     /// Ask on the rendezvous mailbox until an answer's external commit
     /// lands or the deadline passes. Answers (who answered, epoch, seq),
-    /// or the members that refused (empty: nobody answered).
+    /// or the members that refused at this device's epoch or later (empty:
+    /// nobody answered). A refusal from a member behind this device says
+    /// nothing: it may not have merged the commit that added this device.
+    /// When this device knows its branch was lost from an epoch on, its
+    /// epochs from there are another branch's: a member at the last epoch
+    /// before it, or later, that refuses has not got it in the group's
+    /// branch (it was invited on the lost one, or removed).
     async fn ask_and_join(
         &self,
         group: GroupId,
     ) -> Result<Result<(DeviceId, u64, u64), BTreeSet<DeviceId>>, DeviceError> {
         let rec = self.record(group)?;
+        let own = {
+            let mut guard = self.shared.registry.lock(group).await;
+            let epoch = guard.read(|g| g.epoch().as_u64())?;
+            rec.lost_from
+                .map_or(epoch, |from| epoch.min(from.saturating_sub(1)))
+        };
         let Some(seed) = rec.rendezvous_seed else {
             return Ok(Err(BTreeSet::new()));
         };
@@ -691,8 +713,10 @@ impl GroupPeerManager {
                 Ok(Some(got)) => got,
             };
             let first = match got {
-                Incoming::Refusal(from) => {
-                    refused.insert(from);
+                Incoming::Refusal { from, epoch } => {
+                    if epoch >= own {
+                        refused.insert(from);
+                    }
                     continue;
                 }
                 // A status answers a probe, never a rejoin request.
@@ -708,8 +732,10 @@ impl GroupPeerManager {
             while let Ok(Some(more)) = tokio::time::timeout_at(window, rx.recv()).await {
                 match more {
                     Incoming::Answer(b) => answers.push(b),
-                    Incoming::Refusal(from) => {
-                        refused.insert(from);
+                    Incoming::Refusal { from, epoch } => {
+                        if epoch >= own {
+                            refused.insert(from);
+                        }
                     }
                     Incoming::Status { .. } => {}
                 }
@@ -1263,7 +1289,10 @@ impl GroupPeerManager {
                 }
                 if f.to == me && verify_by(&f.from, &f.signed_bytes(), &f.signature) {
                     if let Some(tx) = lock(&self.shared.rejoins).get(&(group, f.nonce)) {
-                        let _ = tx.try_send(Incoming::Refusal(f.from));
+                        let _ = tx.try_send(Incoming::Refusal {
+                            from: f.from,
+                            epoch: f.epoch,
+                        });
                     }
                 }
             }
@@ -1373,6 +1402,7 @@ impl GroupPeerManager {
                 nonce: r.nonce,
                 to: r.device,
                 from: me.id(),
+                epoch,
                 signature: Vec::new(),
             };
             f.signature = me.sign(&f.signed_bytes()).to_bytes().to_vec();
