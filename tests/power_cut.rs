@@ -191,3 +191,65 @@ async fn a_commit_a_device_merged_and_one_it_landed_survive_a_power_cut() {
 async fn the_device_power_cut_test_fails_when_its_flushes_keep_nothing() {
     merged_and_landed_commits_survive_a_power_cut_of_a_device(true).await;
 }
+
+/// b's key packages are on the hub and b's power is cut with nothing
+/// flushed since it put them there; while b is down, a invites it with
+/// one of them. b, back, must read that Welcome: the packages' keys were
+/// durable before the hub could hand the packages out. With flushes that
+/// keep nothing once b opened, this fails: b comes back without the keys.
+async fn key_packages_on_the_hub_survive_a_power_cut_of_their_device(lying_flushes: bool) {
+    let hub = TestHub::start_with(unthrottled).await.unwrap();
+    let urls = vec![hub.url().to_string()];
+    let a = TestDevice::open(&urls).await.unwrap();
+    let power = PowerSwitch::new();
+    let mut b = TestDevice::open_with_store(device_options(&urls), power.store_wrap())
+        .await
+        .unwrap();
+    // b's identity is durable once it opened; its key packages go to the
+    // hub after that, once it is connected.
+    power.lie_about_flushes(lying_flushes);
+    b.ready_for_invites(WAIT)
+        .await
+        .expect("b's key packages on the hub");
+    let id = b.id();
+    // The power goes while b runs, with nothing flushed since the upload
+    // but what the upload itself flushed.
+    power.cut();
+
+    let g = a.create_group(&urls).await.unwrap();
+    a.invite(g, id).await.expect("a invites b while b is down");
+    b.reopen().await.unwrap();
+    assert_eq!(b.id(), id, "b came back as itself");
+    until_event(
+        &b,
+        "b joining",
+        |e| matches!(e, Event::GroupJoined { group, .. } if *group == g),
+    )
+    .await;
+    // Joined from that Welcome, not from another after asking a to invite
+    // it again (what a device does with a Welcome it cannot read).
+    let refused: Vec<Event> = b
+        .event_log()
+        .snapshot()
+        .into_iter()
+        .filter(|e| matches!(e, Event::WelcomeRefused { .. }))
+        .collect();
+    assert!(
+        refused.is_empty(),
+        "b could not read the Welcome built on a package from before the power cut: {refused:?}"
+    );
+    message_reaches(&a, &b, g, b"to b after the power cut").await;
+    hub.stop().await;
+}
+
+#[tokio::test]
+async fn key_packages_a_device_put_on_the_hub_survive_its_power_cut() {
+    key_packages_on_the_hub_survive_a_power_cut_of_their_device(false).await;
+}
+
+/// The test above with flushes that keep nothing: it must fail.
+#[tokio::test]
+#[should_panic(expected = "b could not read the Welcome")]
+async fn the_key_package_power_cut_test_fails_when_flushes_keep_nothing() {
+    key_packages_on_the_hub_survive_a_power_cut_of_their_device(true).await;
+}

@@ -1376,6 +1376,9 @@ impl GroupPeerManager {
             let mut b = crate::kv::WriteBatch::new();
             records.put_uploaded_key_packages(&mut b, hub, &new);
             records.kv().apply(&b)?;
+            // Durable before the hub holds them: a Welcome built on a
+            // package whose keys a power cut took could never be read.
+            records.kv().flush()?;
             link.replace_key_packages(packages, last)
                 .await
                 .map_err(|e| hub_error(hub, e))?;
@@ -1403,6 +1406,9 @@ impl GroupPeerManager {
         let mut b = crate::kv::WriteBatch::new();
         records.put_uploaded_key_packages(&mut b, hub, &live);
         records.kv().apply(&b)?;
+        // The packages' keys (in the same store) and this list are durable
+        // before the hub hands the packages out.
+        records.kv().flush()?;
         link.upload_key_packages(packages, last)
             .await
             .map_err(|e| hub_error(hub, e))?;
