@@ -14,7 +14,7 @@ use crate::wire::{
 };
 use ed25519_dalek::{Signer, SigningKey};
 use futures::{SinkExt, StreamExt};
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -128,7 +128,11 @@ pub enum Push {
     Error(HubError),
 }
 
-type Pending = Arc<Mutex<Option<HashMap<u64, oneshot::Sender<Result<Response, HubError>>>>>>;
+// A BTreeMap, not a HashMap: when the connection ends the map is dropped,
+// and each dropped sender wakes its waiting request; a HashMap's order
+// differs from process to process, which made simulation runs of one seed
+// differ when a connection died with several requests in flight.
+type Pending = Arc<Mutex<Option<BTreeMap<u64, oneshot::Sender<Result<Response, HubError>>>>>>;
 
 /// An authenticated connection to one hub. Cheap to clone; the connection
 /// closes when the last clone is dropped or [`HubClient::close`] is called.
@@ -253,7 +257,7 @@ impl HubClient {
             }
             let _ = sink.close().await;
         });
-        let pending: Pending = Arc::new(Mutex::new(Some(HashMap::new())));
+        let pending: Pending = Arc::new(Mutex::new(Some(BTreeMap::new())));
         let (push_tx, push_rx) = mpsc::channel(options.push_buffer);
         let reader_pending = pending.clone();
         let reader = tokio::spawn(async move {
