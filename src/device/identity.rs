@@ -123,6 +123,13 @@ impl DeviceIdentity {
         self.id
     }
 
+    /// This device's ed25519 signature over `message`, as the 64 bytes a
+    /// signed frame carries (rejoin requests and answers, probes, presence
+    /// beacons, tunnel handshakes); [`verify_by`] checks it.
+    pub fn signature_over(&self, message: &[u8]) -> Vec<u8> {
+        self.sign(message).to_bytes().to_vec()
+    }
+
     /// The ed25519 signing key.
     pub fn signing_key(&self) -> &SigningKey {
         &self.key

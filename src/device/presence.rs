@@ -312,7 +312,7 @@ impl GroupPeerManager {
             ask,
             signature: Vec::new(),
         };
-        b.signature = me.sign(&b.signed_bytes()).to_bytes().to_vec();
+        b.signature = me.signature_over(&b.signed_bytes());
         let bytes = postcard::to_allocvec(&RendezvousFrame::Presence(b))
             .map_err(|e| DeviceError::Mls(e.to_string()))?;
         self.post_rendezvous(hub, &topics::rendezvous_topic(&seed), &bytes)

@@ -417,7 +417,7 @@ impl GroupPeerManager {
                 epoch,
                 signature: Vec::new(),
             };
-            s.signature = me.sign(&s.signed_bytes()).to_bytes().to_vec();
+            s.signature = me.signature_over(&s.signed_bytes());
             RendezvousFrame::Status(s)
         } else {
             drop(guard);
@@ -429,7 +429,7 @@ impl GroupPeerManager {
                 epoch,
                 signature: Vec::new(),
             };
-            f.signature = me.sign(&f.signed_bytes()).to_bytes().to_vec();
+            f.signature = me.signature_over(&f.signed_bytes());
             RendezvousFrame::Refusal(f)
         };
         let Some(seed) = rec.rendezvous_seed else {

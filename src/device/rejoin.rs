@@ -669,7 +669,7 @@ impl GroupPeerManager {
             lost,
             signature: Vec::new(),
         };
-        request.signature = me.sign(&request.signed_bytes()).to_bytes().to_vec();
+        request.signature = me.signature_over(&request.signed_bytes());
         let frame = postcard::to_allocvec(&RendezvousFrame::Request(request))
             .map_err(|e| DeviceError::Mls(e.to_string()))?;
         let (tx, mut rx) = mpsc::channel(INCOMING_QUEUE);
@@ -1393,7 +1393,7 @@ impl GroupPeerManager {
                 ciphertext: sealed.ciphertext.as_slice().to_vec(),
                 signature: Vec::new(),
             };
-            a.signature = me.sign(&a.signed_bytes()).to_bytes().to_vec();
+            a.signature = me.signature_over(&a.signed_bytes());
             RendezvousFrame::Answer(a)
         } else {
             drop(guard);
@@ -1405,7 +1405,7 @@ impl GroupPeerManager {
                 epoch,
                 signature: Vec::new(),
             };
-            f.signature = me.sign(&f.signed_bytes()).to_bytes().to_vec();
+            f.signature = me.signature_over(&f.signed_bytes());
             RendezvousFrame::Refusal(f)
         };
         if cancel.is_cancelled() {

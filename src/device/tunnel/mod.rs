@@ -725,12 +725,7 @@ impl GroupPeerManager {
             hpke_public: pair.public.clone(),
             signature: Vec::new(),
         };
-        open.signature = self
-            .shared
-            .identity
-            .sign(&open.signed_bytes())
-            .to_bytes()
-            .to_vec();
+        open.signature = self.shared.identity.signature_over(&open.signed_bytes());
         Ok((open, pair.private.to_vec(), exporter))
     }
 
@@ -838,9 +833,7 @@ impl GroupPeerManager {
             r.signature = self
                 .shared
                 .identity
-                .sign(&r.signed_bytes(&o.digest()))
-                .to_bytes()
-                .to_vec();
+                .signature_over(&r.signed_bytes(&o.digest()));
             Handshake::Refuse(r)
         };
         let mut pulled = false;
@@ -905,9 +898,7 @@ impl GroupPeerManager {
         a.signature = self
             .shared
             .identity
-            .sign(&a.signed_bytes(&o.digest()))
-            .to_bytes()
-            .to_vec();
+            .signature_over(&a.signed_bytes(&o.digest()));
         let accept = Handshake::Accept(a).encode();
         // Listen before answering: the opener's first frame may follow the
         // accept at once, and a mailbox keeps a frame only for subscribers.
