@@ -269,6 +269,14 @@ mod tests {
         let sig = Signature::from_slice(&mls_sig).unwrap();
         assert!(identity.verifying_key().verify(msg, &sig).is_ok());
         assert_eq!(identity.sign(msg), sig);
+
+        // The frame signature checks under this device's id only, over
+        // this message only, and a malformed signature or key is a no.
+        let bytes = identity.signature_over(msg);
+        assert!(verify_by(&id, msg, &bytes));
+        assert!(!verify_by(&id, b"hubsynd", &bytes));
+        assert!(!verify_by(&DeviceId([7; 32]), msg, &bytes));
+        assert!(!verify_by(&id, msg, &bytes[..63]));
     }
 
     #[test]
