@@ -688,6 +688,18 @@ fn tunnel_calls_and_history_syncs_hold_with_all_faults() {
     assert!(synced > 0, "no history sync answered");
 }
 
+/// Seed 2047: a member removed and invited again at once kept the new
+/// Welcome aside (it still held the group), and once it saw its removal,
+/// the Welcome named a key package a restored hub had handed out again:
+/// the join of kept Welcomes reported it refused but never asked the
+/// inviter to invite it again (only the mailbox's reader did), so the
+/// roster listed a member that held nothing. Now whoever accepts a
+/// Welcome asks.
+#[test]
+fn all_faults_a_kept_welcome_on_a_dead_key_package_asks_to_be_invited_again() {
+    holds_with_all_faults(2047);
+}
+
 fn holds_with_all_faults(seed: u64) -> serde_json::Value {
     let r = run_in_process(seed, 30, "all");
     assert_eq!(r["violations"], serde_json::json!([]), "seed {seed}");

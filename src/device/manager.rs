@@ -922,19 +922,14 @@ impl GroupPeerManager {
                         link.ack(vec![d.frame_ref()]).await;
                         restock.notify_one();
                     }
-                    Err(DeviceError::KeyPackageGone {
-                        group,
-                        inviter,
-                        welcome_digest,
-                        hubs,
-                    }) => {
+                    // accept_welcome asked the inviter to invite it again.
+                    Err(DeviceError::KeyPackageGone { group, .. }) => {
                         me.emit(Event::WelcomeRefused {
                             group: Some(group),
                             reason: "the Welcome names a key package this device no longer holds; \
                                      asked the inviter to invite it again"
                                 .into(),
                         });
-                        me.ask_reinvite_in_background(group, inviter, welcome_digest, hubs);
                         link.ack(vec![d.frame_ref()]).await;
                     }
                     // A store failure may pass: leave it unacked so the hub
@@ -1264,9 +1259,30 @@ impl GroupPeerManager {
     /// Accept a Welcome envelope addressed to this device: join the group,
     /// record its hubs, and start its peers. A Welcome for a group already
     /// joined is ignored (Welcomes are delivered at least once).
+    ///
+    /// A Welcome naming a key package this device no longer holds answers
+    /// `KeyPackageGone`, and the device has asked its inviter to invite it
+    /// again (on a task of its own), whoever called: the mailbox's reader,
+    /// or the join of Welcomes kept while the device still held the group.
     pub(super) async fn accept_welcome(&self, payload: &[u8]) -> Result<(), DeviceError> {
         let env = WelcomeEnvelope::open(payload).map_err(|e| DeviceError::Mls(e.to_string()))?;
-        let joined = self.join(&env).await?;
+        let joined = match self.join(&env).await {
+            Err(DeviceError::KeyPackageGone {
+                group,
+                inviter,
+                welcome_digest,
+                hubs,
+            }) => {
+                self.ask_reinvite_in_background(group, inviter, welcome_digest, hubs.clone());
+                return Err(DeviceError::KeyPackageGone {
+                    group,
+                    inviter,
+                    welcome_digest,
+                    hubs,
+                });
+            }
+            r => r?,
+        };
         if joined {
             self.add_group(env.group).await?;
             self.probe_in_background(env.group);
