@@ -497,6 +497,7 @@ pub async fn run(opts: &SoakOptions) -> Result<Summary, SoakError> {
         path: opts.report.clone(),
         source,
     })?;
+    let mut csv = report::CsvLog::create(&opts.report)?;
     let temp = tempfile::tempdir().map_err(|e| setup(format!("temporary directory: {e}")))?;
     let mut hub = HubProcess {
         exe: opts.exe.clone(),
@@ -569,6 +570,7 @@ pub async fn run(opts: &SoakOptions) -> Result<Summary, SoakError> {
             next_sample += opts.sample_every;
             let s = sample(&ctx, &mut hub)?;
             print_sample(&s);
+            csv.append(&s)?;
             samples.push(s);
             mark_processed(&ctx);
             if let Some(why) = stall(&ctx) {
@@ -959,7 +961,7 @@ async fn rotate(ctx: Arc<Ctx>) {
 }
 
 /// In a random group, the admin invites back a device of the group's share
-/// that is out, or removes a member (never below two members).
+/// that is out, or else removes a member (never below two members).
 async fn change_membership(ctx: Arc<Ctx>) {
     let g = ctx.groups[ctx.pick(ctx.groups.len())].clone();
     if g.changing.swap(true, Ordering::SeqCst) {
@@ -977,7 +979,12 @@ async fn change_membership(ctx: Arc<Ctx>) {
         .filter(|i| !members.contains(i))
         .collect();
     let others: Vec<usize> = members.iter().copied().filter(|&i| i != g.admin).collect();
-    let invite = !out.is_empty() && (others.len() <= 1 || ctx.rng.unit() < 0.5);
+    // Invite back whoever is out before removing anyone else: the group
+    // stays at its full size or one short, so the load's deliveries per
+    // message stay steady over the run (a random walk of removals and
+    // invites drifts towards small groups, and the later half of the run
+    // would carry less load than the first).
+    let invite = !out.is_empty();
     let c = &ctx.counters;
     let result = if invite {
         let who = out[ctx.pick(out.len())];
@@ -1059,7 +1066,7 @@ fn sample(ctx: &Ctx, hub: &mut HubProcess) -> Result<Sample, SoakError> {
 fn print_sample(s: &Sample) {
     let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
     println!(
-        "[{:>6.0} s] hub {:.1} MiB {} fds | devices {:.1} MiB {} fds | sent {} delivered {} | cuts {} hub restarts {} device restarts {} commits {}",
+        "[{:>6.0} s] hub {:.1} MiB {} fds | devices {:.1} MiB {} fds | sent {} delivered {} | cuts {} hub restarts {} device restarts {} commits {} failed {}",
         s.t_s,
         mib(s.hub_rss),
         s.hub_fds,
@@ -1070,7 +1077,8 @@ fn print_sample(s: &Sample) {
         s.cuts,
         s.hub_restarts,
         s.device_restarts,
-        s.commits
+        s.commits,
+        s.commit_errors + s.send_errors
     );
 }
 

@@ -27,33 +27,71 @@ pub(super) fn write(dir: &Path, summary: &Summary) -> Result<(), SoakError> {
     put(&json, text)
 }
 
+const CSV_HEADER: &str = "t_s,hub_rss_bytes,hub_fds,devices_rss_bytes,devices_fds,sent,delivered,\
+    send_errors,cuts,reconnects,hub_restarts,device_restarts,commits,commit_errors\n";
+
+/// `samples.csv` written as the run goes, so a run that is killed, or
+/// watched, has its samples on disk (the report rewrites it whole at the
+/// end).
+pub(super) struct CsvLog {
+    file: std::fs::File,
+    path: std::path::PathBuf,
+}
+
+impl CsvLog {
+    /// Create (or empty) `samples.csv` in `dir` and write its header.
+    pub(super) fn create(dir: &Path) -> Result<CsvLog, SoakError> {
+        let [path, _, _] = report_files(dir);
+        let io = |source| SoakError::Report {
+            path: path.clone(),
+            source,
+        };
+        let mut file = std::fs::File::create(&path).map_err(io)?;
+        std::io::Write::write_all(&mut file, CSV_HEADER.as_bytes()).map_err(io)?;
+        Ok(CsvLog { file, path })
+    }
+
+    /// Append one sample's line.
+    pub(super) fn append(&mut self, s: &Sample) -> Result<(), SoakError> {
+        let mut line = String::new();
+        csv_line(&mut line, s);
+        std::io::Write::write_all(&mut self.file, line.as_bytes()).map_err(|source| {
+            SoakError::Report {
+                path: self.path.clone(),
+                source,
+            }
+        })
+    }
+}
+
 /// One line per sample, with a header.
 pub(super) fn samples_csv(samples: &[Sample]) -> String {
-    let mut out = String::from(
-        "t_s,hub_rss_bytes,hub_fds,devices_rss_bytes,devices_fds,sent,delivered,send_errors,\
-         cuts,reconnects,hub_restarts,device_restarts,commits,commit_errors\n",
-    );
+    let mut out = String::from(CSV_HEADER);
     for s in samples {
-        let _ = writeln!(
-            out,
-            "{:.1},{},{},{},{},{},{},{},{},{},{},{},{},{}",
-            s.t_s,
-            s.hub_rss,
-            s.hub_fds,
-            s.devices_rss,
-            s.devices_fds,
-            s.sent,
-            s.delivered,
-            s.send_errors,
-            s.cuts,
-            s.reconnects,
-            s.hub_restarts,
-            s.device_restarts,
-            s.commits,
-            s.commit_errors
-        );
+        csv_line(&mut out, s);
     }
     out
+}
+
+fn csv_line(out: &mut String, s: &Sample) {
+    let _ = writeln!(
+        out,
+        "{:.1},{},{},{},{},{},{},{},{},{},{},{},{},{}",
+        s.t_s,
+        s.hub_rss,
+        s.hub_fds,
+        s.devices_rss,
+        s.devices_fds,
+        s.sent,
+        s.delivered,
+        s.send_errors,
+        s.cuts,
+        s.reconnects,
+        s.hub_restarts,
+        s.device_restarts,
+        s.commits,
+        s.commit_errors
+    );
 }
 
 fn mib(b: u64) -> String {
