@@ -263,7 +263,13 @@ mod tests {
         let j = judge(&saw, MEMORY_SLACK);
         assert!(!j.grew, "{}", j.sentence());
         // Open files: connections dropped by cuts, back within a second.
-        let fds = series(3600, |t| if t as u64 % 15 == 0 { 12.0 } else { 40.0 });
+        let fds = series(3600, |t| {
+            if (t as u64).is_multiple_of(15) {
+                12.0
+            } else {
+                40.0
+            }
+        });
         assert!(!judge(&fds, FILES_SLACK).grew);
     }
 

@@ -568,7 +568,13 @@ pub async fn run(opts: &SoakOptions) -> Result<Summary, SoakError> {
         }
         if now >= next_sample {
             next_sample += opts.sample_every;
-            let s = sample(&ctx, &mut hub)?;
+            let s = match sample(&ctx, &mut hub) {
+                Ok(s) => s,
+                Err(e) => {
+                    ctx.fail(format!("sampling: {e}"));
+                    break;
+                }
+            };
             print_sample(&s);
             csv.append(&s)?;
             samples.push(s);
@@ -605,8 +611,9 @@ pub async fn run(opts: &SoakOptions) -> Result<Summary, SoakError> {
             next_member = now + ctx.jitter(schedule.membership_every);
             tasks.spawn(change_membership(ctx.clone()));
         }
-        let running = hub.server().map(|s| s.running()).unwrap_or(false);
-        if !running {
+        // Between samples too: a hub that died on its own is a finding,
+        // not a fault of the run's making.
+        if !hub.server().is_ok_and(|s| s.running()) {
             ctx.fail("the hub process exited on its own (see hub.log)".into());
             break;
         }
@@ -623,7 +630,9 @@ pub async fn run(opts: &SoakOptions) -> Result<Summary, SoakError> {
     }
     println!("soak: load stopped after {ran:?}; waiting for the groups to settle");
     while tasks.join_next().await.is_some() {}
-    let converged = if stalled.is_none() {
+    // With deliveries stalled or the hub gone, waiting for the groups to
+    // settle would only add minutes to a run that already failed.
+    let converged = if stalled.is_none() && hub.server().is_ok_and(|s| s.running()) {
         settle(&ctx).await
     } else {
         false
@@ -1040,17 +1049,19 @@ async fn invite_when_ready(admin: &Device, g: GroupId, who: DeviceId) -> Result<
 }
 
 /// Read both sides and the counters.
-fn sample(ctx: &Ctx, hub: &mut HubProcess) -> Result<Sample, SoakError> {
-    let setup = SoakError::Setup;
-    let server = hub.server().map_err(setup)?;
+fn sample(ctx: &Ctx, hub: &mut HubProcess) -> Result<Sample, String> {
+    let server = hub.server()?;
+    if !server.running() {
+        return Err("the hub process exited on its own (see hub.log)".into());
+    }
     let c = &ctx.counters;
     let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
     Ok(Sample {
         t_s: ctx.start.elapsed().as_secs_f64(),
-        hub_rss: server.rss().map_err(setup)?,
-        hub_fds: server.open_files().map_err(setup)?,
-        devices_rss: crate::process::rss_bytes("self").map_err(setup)?,
-        devices_fds: crate::process::open_files("self").map_err(setup)?,
+        hub_rss: server.rss()?,
+        hub_fds: server.open_files()?,
+        devices_rss: crate::process::rss_bytes("self")?,
+        devices_fds: crate::process::open_files("self")?,
         sent: get(&c.sent),
         delivered: get(&c.delivered),
         send_errors: get(&c.send_errors),
