@@ -39,6 +39,11 @@ enum Command {
     /// Measure hubsync against raw baselines in the same run (see
     /// docs/performance.md).
     Bench(BenchArgs),
+    /// Run a hub (a child process) and many devices for a while, under load
+    /// and random faults, sampling both sides' memory and open files; fails
+    /// if either grows, deliveries stall or the groups end unconverged (see
+    /// docs/operations.md).
+    Soak(SoakArgs),
     /// A raw tokio-tungstenite echo server on a free loopback port, until
     /// killed: the baseline process of the bench's memory pair.
     #[command(hide = true)]
@@ -159,6 +164,58 @@ impl BenchArgs {
     }
 }
 
+#[derive(clap::Args)]
+struct SoakArgs {
+    /// How long the load and the faults run: 90s, 10m, 1h.
+    #[arg(long, default_value = "10m", value_parser = hubsync::soak::parse_duration)]
+    duration: Duration,
+    /// Devices in all.
+    #[arg(long, default_value_t = 24)]
+    devices: usize,
+    /// Groups the devices are dealt into.
+    #[arg(long, default_value_t = 4)]
+    groups: usize,
+    /// Where the report goes (samples.csv, report.md, summary.json, hub.log).
+    #[arg(long, default_value = "soak-report")]
+    report: PathBuf,
+    /// Seed of the run's draws (which device, which group, when); printed
+    /// when drawn from the clock.
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Time between samples.
+    #[arg(long, default_value = "10s", value_parser = hubsync::soak::parse_duration)]
+    sample_every: Duration,
+    /// Application messages per second, all groups together.
+    #[arg(long, default_value_t = 4.0)]
+    rate: f64,
+}
+
+async fn soak(args: &SoakArgs) -> Result<(), String> {
+    let exe = std::env::current_exe().map_err(|e| format!("cannot find this binary: {e}"))?;
+    let mut opts = hubsync::soak::SoakOptions::new(exe, args.duration, args.report.clone());
+    opts.devices = args.devices;
+    opts.groups = args.groups.max(1);
+    opts.sample_every = args.sample_every.max(Duration::from_millis(100));
+    opts.rate = args.rate;
+    opts.seed = args.seed.unwrap_or_else(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(1)
+    });
+    let summary = hubsync::soak::run(&opts).await.map_err(|e| e.to_string())?;
+    for j in &summary.judgements {
+        println!("soak: {}", j.sentence());
+    }
+    println!("report written to {}", opts.report.display());
+    if summary.passed {
+        println!("soak: passed");
+        Ok(())
+    } else {
+        Err(format!("soak failed: {}", summary.failures.join("; ")))
+    }
+}
+
 async fn raw_server() -> Result<(), String> {
     let server = hubsync::bench::raw::EchoServer::start()
         .await
@@ -274,7 +331,11 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     // The demo narrates on stdout; its logs stay quiet unless asked for.
     let default = match cli.command {
-        Command::Demo | Command::Bench(_) | Command::BenchRawServer | Command::Device(_) => "warn",
+        Command::Demo
+        | Command::Bench(_)
+        | Command::BenchRawServer
+        | Command::Device(_)
+        | Command::Soak(_) => "warn",
         Command::Hub(_) => "info",
     };
     tracing_subscriber::fmt()
@@ -296,6 +357,7 @@ fn main() -> ExitCode {
         Command::Demo => rt.block_on(demo::run()),
         Command::Device(args) => rt.block_on(device_cli::run(args)),
         Command::Bench(args) => rt.block_on(bench(&args)),
+        Command::Soak(args) => rt.block_on(soak(&args)),
         Command::BenchRawServer => rt.block_on(raw_server()),
     };
     match result {

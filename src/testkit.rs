@@ -44,8 +44,10 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio_rustls::rustls::pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer};
 
+mod cut;
 mod postgres;
 mod power;
+pub use self::cut::{CutConnector, CutSwitch};
 pub use self::postgres::TestPostgres;
 pub use self::power::{PowerCutKv, PowerSwitch};
 

@@ -10,15 +10,13 @@
 //! one frame.
 
 use crate::client::{ClientOptions, HubClient};
+use crate::process::ChildServer;
 use crate::testkit::signing_key;
 use crate::transport::NetConnector;
 use crate::wire::TopicId;
 use futures::{SinkExt, StreamExt};
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::time::Duration;
-use tokio::io::{AsyncBufReadExt, BufReader};
-use tokio::process::{Child, Command};
 use tokio_tungstenite::tungstenite::Message;
 
 /// Connections opened at once while filling a server: below the hub's
@@ -27,61 +25,6 @@ const CONNECT_AT_ONCE: usize = 128;
 
 /// How long a server has to settle (allocator, buffers) before a reading.
 const SETTLE: Duration = Duration::from_millis(500);
-
-/// A server process, killed when dropped.
-struct Server {
-    child: Child,
-    addr: String,
-}
-
-impl Server {
-    /// Start `exe args…` and read its address from the first stdout line
-    /// that says `listening on ADDR`.
-    async fn start(exe: &Path, args: &[&str]) -> Result<Server, String> {
-        let mut child = Command::new(exe)
-            .args(args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .kill_on_drop(true)
-            .spawn()
-            .map_err(|e| format!("cannot start {}: {e}", exe.display()))?;
-        let stdout = child
-            .stdout
-            .take()
-            .ok_or_else(|| "no stdout from the server".to_string())?;
-        let mut lines = BufReader::new(stdout).lines();
-        let read = async {
-            while let Some(line) = lines.next_line().await.map_err(|e| e.to_string())? {
-                if let Some(rest) = line.split("listening on ").nth(1) {
-                    let addr = rest.split_whitespace().next().unwrap_or_default();
-                    return Ok(addr.to_string());
-                }
-            }
-            Err("the server exited before it listened".to_string())
-        };
-        let addr = tokio::time::timeout(Duration::from_secs(30), read)
-            .await
-            .map_err(|_| "the server did not say where it listens".to_string())??;
-        Ok(Server { child, addr })
-    }
-
-    /// The resident set of the process, in bytes.
-    fn rss(&self) -> Result<u64, String> {
-        let pid = self
-            .child
-            .id()
-            .ok_or_else(|| "the server exited".to_string())?;
-        let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
-            .map_err(|e| format!("cannot read the server's memory: {e}"))?;
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix("VmRSS:"))
-            .and_then(|v| v.split_whitespace().next())
-            .and_then(|kb| kb.parse::<u64>().ok())
-            .map(|kb| kb * 1024)
-            .ok_or_else(|| "no VmRSS in the server's status".to_string())
-    }
-}
 
 /// Resident bytes a server added per connection, once `n` connections
 /// beyond a first are idle.
@@ -100,12 +43,12 @@ fn per_connection(base: u64, after: u64, n: usize) -> PerConnection {
 /// This binary's `hub` over a fresh store in a temporary directory, with
 /// rate limits that never trigger (the bench measures the work, not the
 /// limiter). Answers the directory, the process and the store's path.
-async fn start_hub(exe: &Path) -> Result<(tempfile::TempDir, Server, PathBuf), String> {
+async fn start_hub(exe: &Path) -> Result<(tempfile::TempDir, ChildServer, PathBuf), String> {
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
     let data = dir.path().join("hub");
     let arg = data.to_string_lossy().into_owned();
     let fast = "1000000000";
-    let hub = Server::start(
+    let hub = ChildServer::start(
         exe,
         &[
             "hub",
@@ -264,7 +207,7 @@ pub async fn hub_per_device(exe: &Path, n: usize) -> Result<PerConnection, Strin
 /// # Errors
 /// When the server cannot be started or a connection fails.
 pub async fn raw_per_connection(exe: &Path, n: usize) -> Result<PerConnection, String> {
-    let server = Server::start(exe, &["bench-raw-server"]).await?;
+    let server = ChildServer::start(exe, &["bench-raw-server"]).await?;
     let url = format!("ws://{}", server.addr);
     let connect = |_: usize| {
         let url = url.clone();
@@ -293,12 +236,4 @@ pub async fn raw_per_connection(exe: &Path, n: usize) -> Result<PerConnection, S
     drop(first);
     drop(server);
     Ok(per_connection(base, after, n))
-}
-
-/// This binary, when it is `hubsync` (a test or an embedding program is
-/// not, and cannot serve as the hub process).
-pub fn hubsync_exe() -> Option<PathBuf> {
-    let exe = std::env::current_exe().ok()?;
-    let name = exe.file_stem()?.to_str()?;
-    (name == "hubsync").then_some(exe)
 }

@@ -304,7 +304,7 @@ pub async fn run(opts: &BenchOptions) -> Result<Report, BenchError> {
     }
     let mut footprint = Vec::new();
     if has(PairKind::Memory) {
-        match memory::hubsync_exe() {
+        match crate::process::hubsync_exe() {
             Some(exe) => {
                 rows.push(memory_pair(opts, &exe, &bar).await?);
                 footprint.push(group_footprint(opts, &exe).await?);
