@@ -115,18 +115,26 @@ async fn message_reaches(from: &TestDevice, to: &TestDevice, g: GroupId, body: &
     .await;
 }
 
+/// A hub, its URLs, device a, and device b whose store is behind a power
+/// switch.
+async fn a_and_b_behind_a_power_switch(
+) -> (TestHub, Vec<String>, TestDevice, PowerSwitch, TestDevice) {
+    let hub = TestHub::start_with(unthrottled).await.unwrap();
+    let urls = vec![hub.url().to_string()];
+    let a = TestDevice::open(&urls).await.unwrap();
+    let power = PowerSwitch::new();
+    let b = TestDevice::open_with_store(device_options(&urls), power.store_wrap())
+        .await
+        .unwrap();
+    (hub, urls, a, power, b)
+}
+
 /// Two devices in a group, b's store behind a power switch: b merges a's
 /// commit and lands one of its own, the power is cut, b reopens at that
 /// epoch and goes on with a. With flushes that lie from b's join on, this
 /// fails: b comes back at the epoch it joined in.
 async fn merged_and_landed_commits_survive_a_power_cut_of_a_device(lying_flushes: bool) {
-    let hub = TestHub::start_with(unthrottled).await.unwrap();
-    let urls = vec![hub.url().to_string()];
-    let a = TestDevice::open(&urls).await.unwrap();
-    let power = PowerSwitch::new();
-    let mut b = TestDevice::open_with_store(device_options(&urls), power.store_wrap())
-        .await
-        .unwrap();
+    let (hub, urls, a, power, mut b) = a_and_b_behind_a_power_switch().await;
     let g = a.create_group(&urls).await.unwrap();
     a.invite_when_ready(g, b.id(), WAIT).await.expect("invite");
     until_event(
@@ -198,13 +206,7 @@ async fn the_device_power_cut_test_fails_when_its_flushes_keep_nothing() {
 /// durable before the hub could hand the packages out. With flushes that
 /// keep nothing once b opened, this fails: b comes back without the keys.
 async fn key_packages_on_the_hub_survive_a_power_cut_of_their_device(lying_flushes: bool) {
-    let hub = TestHub::start_with(unthrottled).await.unwrap();
-    let urls = vec![hub.url().to_string()];
-    let a = TestDevice::open(&urls).await.unwrap();
-    let power = PowerSwitch::new();
-    let mut b = TestDevice::open_with_store(device_options(&urls), power.store_wrap())
-        .await
-        .unwrap();
+    let (hub, urls, a, power, mut b) = a_and_b_behind_a_power_switch().await;
     // b's identity is durable once it opened; its key packages go to the
     // hub after that, once it is connected.
     power.lie_about_flushes(lying_flushes);
